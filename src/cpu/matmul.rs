@@ -1,0 +1,152 @@
+//! Matrix-vector and matrix-matrix products over the checkpoint's own formats, f32 accumulation.
+//!
+//! `out[t][r] = dot(row r, x[t]) + bias[r]`. Every (row, token) product calls the same dot
+//! function, so a batch of tokens gives exactly the values one token at a time gives.
+
+use rayon::prelude::*;
+
+use super::formats::{FP4_VALUES, bf16_to_f32, e8m0_scale, f16_to_f32};
+use crate::weights::{DenseMatrix, FloatFormat, Mxfp4Experts};
+
+const LANES: usize = 8;
+
+#[inline(always)]
+fn reduce(acc: [f32; LANES]) -> f32 {
+    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+}
+
+/// Dot product of one dense row (stored in `format`) with `x`.
+pub fn dot_dense(format: FloatFormat, row: &[u8], x: &[f32]) -> f32 {
+    let size = format.size();
+    debug_assert_eq!(row.len(), x.len() * size);
+    let mut acc = [0f32; LANES];
+    let chunks = x.len() / LANES;
+    for c in 0..chunks {
+        let xs = &x[c * LANES..(c + 1) * LANES];
+        let ws = &row[c * LANES * size..(c + 1) * LANES * size];
+        for k in 0..LANES {
+            acc[k] += decode_at(format, ws, k) * xs[k];
+        }
+    }
+    let mut sum = reduce(acc);
+    for k in chunks * LANES..x.len() {
+        sum += decode_at(format, row, k) * x[k];
+    }
+    sum
+}
+
+#[inline(always)]
+fn decode_at(format: FloatFormat, bytes: &[u8], k: usize) -> f32 {
+    match format {
+        FloatFormat::Bf16 => bf16_to_f32(bytes[2 * k], bytes[2 * k + 1]),
+        FloatFormat::F16 => f16_to_f32(bytes[2 * k], bytes[2 * k + 1]),
+        FloatFormat::F32 => f32::from_le_bytes([
+            bytes[4 * k],
+            bytes[4 * k + 1],
+            bytes[4 * k + 2],
+            bytes[4 * k + 3],
+        ]),
+    }
+}
+
+/// Dot product of one MXFP4 row (16 bytes + 1 scale per 32 inputs) with `x`.
+pub fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+    debug_assert_eq!(blocks.len() * 2, x.len());
+    let mut total = 0f32;
+    for (g, (group, &scale)) in blocks.chunks_exact(16).zip(scales).enumerate() {
+        let xs = &x[g * 32..(g + 1) * 32];
+        let mut acc = [0f32; LANES];
+        for (j, &byte) in group.iter().enumerate() {
+            let lane = (2 * j) % LANES;
+            acc[lane] += FP4_VALUES[(byte & 0x0F) as usize] * xs[2 * j];
+            acc[lane + 1] += FP4_VALUES[(byte >> 4) as usize] * xs[2 * j + 1];
+        }
+        // Scaling by a power of two is exact, so this equals the dot with dequantized weights
+        // up to the order of the additions.
+        total += reduce(acc) * e8m0_scale(scale);
+    }
+    total
+}
+
+/// `out[t * rows + r] = dot(r, xs[t * cols..]) + bias[r]` for every token `t`, rows in parallel.
+fn rows_times_tokens(
+    rows: usize,
+    cols: usize,
+    xs: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    dot: impl Fn(usize, &[f32]) -> f32 + Sync,
+) {
+    let tokens = xs.len() / cols;
+    assert_eq!(xs.len(), tokens * cols, "input is not a whole number of rows");
+    assert_eq!(out.len(), tokens * rows, "output has the wrong size");
+    if let Some(b) = bias {
+        assert_eq!(b.len(), rows, "bias has the wrong size");
+    }
+    let value = |r: usize, x: &[f32]| dot(r, x) + bias.map_or(0.0, |b| b[r]);
+    if tokens == 1 {
+        out.par_chunks_mut(64).enumerate().for_each(|(chunk, ys)| {
+            for (k, y) in ys.iter_mut().enumerate() {
+                *y = value(chunk * 64 + k, xs);
+            }
+        });
+        return;
+    }
+    // Each row's weights are read once for all tokens.
+    let mut by_row = vec![0f32; rows * tokens];
+    by_row.par_chunks_mut(tokens).enumerate().for_each(|(r, ys)| {
+        for (t, y) in ys.iter_mut().enumerate() {
+            *y = value(r, &xs[t * cols..(t + 1) * cols]);
+        }
+    });
+    for r in 0..rows {
+        for t in 0..tokens {
+            out[t * rows + r] = by_row[r * tokens + t];
+        }
+    }
+}
+
+/// Dense linear layer over one or more tokens.
+pub fn dense_matmul(m: &DenseMatrix, xs: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
+    rows_times_tokens(m.rows, m.cols, xs, bias, out, |r, x| dot_dense(m.format, m.row(r), x));
+}
+
+/// One expert's MXFP4 linear layer over one or more tokens.
+pub fn mxfp4_matmul(w: &Mxfp4Experts, expert: usize, xs: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
+    rows_times_tokens(w.rows, w.cols, xs, bias, out, |r, x| {
+        let (blocks, scales) = w.row(expert, r);
+        dot_mxfp4(blocks, scales, x)
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::formats::dequantize_mxfp4_row;
+
+    #[test]
+    fn mxfp4_dot_matches_dequantized_dot() {
+        let blocks: Vec<u8> = (0..64u32).map(|i| (i * 37 + 11) as u8).collect();
+        let scales = [120u8, 126, 127, 131];
+        let x: Vec<f32> = (0..128).map(|i| ((i as f32) * 0.37).sin()).collect();
+        let mut w = vec![0f32; 128];
+        dequantize_mxfp4_row(&blocks, &scales, &mut w);
+        let exact: f64 = w.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
+        let got = dot_mxfp4(&blocks, &scales, &x) as f64;
+        assert!((got - exact).abs() <= 1e-5 * exact.abs().max(1.0), "{got} vs {exact}");
+    }
+
+    #[test]
+    fn dense_dot_handles_tails_in_every_format() {
+        let x: Vec<f32> = (0..13).map(|i| i as f32 * 0.25 - 1.0).collect();
+        let w: Vec<f32> = (0..13).map(|i| 1.0 - i as f32 * 0.125).collect();
+        let exact: f32 = w.iter().zip(&x).map(|(a, b)| a * b).sum();
+        let bf: Vec<u8> = w.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
+        let f16: Vec<u8> = w.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
+        let f32s: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+        for (format, bytes) in [(FloatFormat::Bf16, bf), (FloatFormat::F16, f16), (FloatFormat::F32, f32s)] {
+            let got = dot_dense(format, &bytes, &x);
+            assert!((got - exact).abs() < 1e-5, "{format:?}: {got} vs {exact}");
+        }
+    }
+}

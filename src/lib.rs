@@ -1,0 +1,17 @@
+//! picchio: an inference engine for mixture-of-experts language models (GPT-OSS).
+//!
+//! Layers of the crate, from the files up:
+//! - [`config`]: `config.json` mirrored with serde, every dimension read from it.
+//! - [`weights`]: safetensors checkpoints (single or sharded) mapped with memmap2, L0 validation.
+//! - [`cpu`]: the CPU tier's kernels, the reference for every other tier.
+//! - [`model`]: the forward pass, KV cache, sampler and generation loop.
+
+pub mod config;
+pub mod cpu;
+pub mod error;
+pub mod model;
+pub mod weights;
+
+pub use config::Config;
+pub use error::{Error, Result};
+pub use model::Model;

@@ -1,0 +1,206 @@
+//! The `picchio` command line: thin wrappers over the library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand, ValueEnum};
+use serde_json::json;
+
+use picchio::Model;
+use picchio::model::generate::{GenerateOptions, generate};
+use picchio::weights::{Checkpoint, tensor_format, tensor_role};
+
+#[derive(Parser)]
+#[command(name = "picchio", version, about = "Mixture-of-experts inference (GPT-OSS) on the hardware you have")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Backend {
+    /// The CPU tier (the reference implementation).
+    Cpu,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate tokens greedily from a prompt given as token ids.
+    Generate {
+        /// Checkpoint directory (config.json + safetensors, as Hugging Face ships it).
+        #[arg(long)]
+        model: PathBuf,
+        /// Prompt token ids, comma-separated (e.g. 1,2,3).
+        #[arg(long, value_delimiter = ',', required = true, num_args = 1..)]
+        ids: Vec<u32>,
+        /// Most tokens to generate.
+        #[arg(long, default_value_t = 32)]
+        max_new_tokens: usize,
+        /// Where the model runs.
+        #[arg(long, value_enum, default_value_t = Backend::Cpu)]
+        backend: Backend,
+        /// Print one JSON object instead of the plain id list.
+        #[arg(long)]
+        json: bool,
+        /// Report the K largest logits of every step (with --json).
+        #[arg(long, default_value_t = 0, value_name = "K")]
+        top_logits: usize,
+        /// Most positions (prompt + generated) the KV cache holds; default: the model's
+        /// max_position_embeddings.
+        #[arg(long, value_name = "N")]
+        context: Option<usize>,
+        /// Keep generating after an end-of-sequence token.
+        #[arg(long)]
+        ignore_eos: bool,
+    },
+    /// Print the checkpoint's tensors (name, dtype, shape, bytes, format) and byte totals.
+    Inspect {
+        #[arg(long)]
+        model: PathBuf,
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
+        .target(env_logger::Target::Stderr)
+        .init();
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Generate {
+            model,
+            ids,
+            max_new_tokens,
+            backend,
+            json,
+            top_logits,
+            context,
+            ignore_eos,
+        } => {
+            let loaded = Model::load(&model).with_context(|| format!("loading {}", model.display()))?;
+            let context = context.unwrap_or(loaded.config.max_position_embeddings);
+            if context == 0 {
+                bail!("--context must be at least 1");
+            }
+            log::info!(
+                "{}: {} layers, {} experts (top {}), backend {backend:?}",
+                model.display(),
+                loaded.config.num_layers,
+                loaded.config.num_experts,
+                loaded.config.experts_per_token
+            );
+            let options = GenerateOptions {
+                max_new_tokens,
+                top_logits,
+                stop_at_eos: !ignore_eos,
+                context,
+            };
+            let out = generate(&loaded, &ids, &options)?;
+            if let Some(rate) = out.decode_tokens_per_s() {
+                log::info!("prefill {:.1} ms, decode {rate:.2} tokens/s", out.prefill_ms);
+            }
+            if json {
+                let steps: Vec<_> = out
+                    .steps
+                    .iter()
+                    .map(|s| {
+                        let top: Vec<_> = s.top.iter().map(|(id, logit)| json!([id, logit])).collect();
+                        json!({"id": s.id, "top": top, "margin": s.margin})
+                    })
+                    .collect();
+                let object = json!({
+                    "prompt_ids": out.prompt_ids,
+                    "generated_ids": out.generated_ids,
+                    "steps": steps,
+                    "backend": "cpu",
+                    "prefill_ms": out.prefill_ms,
+                    "decode_tokens_per_s": out.decode_tokens_per_s(),
+                    "stop_reason": format!("{:?}", out.stop).to_lowercase(),
+                });
+                println!("{object}");
+            } else {
+                let ids: Vec<String> = out.generated_ids.iter().map(u32::to_string).collect();
+                println!("{}", ids.join(" "));
+            }
+            Ok(())
+        }
+        Command::Inspect { model, json } => inspect(&model, json),
+    }
+}
+
+fn inspect(dir: &std::path::Path, json: bool) -> Result<()> {
+    // Validate the whole model first: inspect reports on a checkpoint picchio can run.
+    let loaded = Model::load(dir).with_context(|| format!("loading {}", dir.display()))?;
+    let ck: &Checkpoint = &loaded.checkpoint;
+    let mut totals = [0usize; 5];
+    let mut rows = Vec::new();
+    for t in ck.tensors() {
+        let bytes = t.range.len();
+        let role = tensor_role(&t.name);
+        totals[role as usize] += bytes;
+        rows.push((t.name.clone(), format!("{:?}", t.dtype), t.shape.clone(), bytes, tensor_format(&t.name, t.dtype), role));
+    }
+    let [embedding, lm_head, dense, experts, unknown] = totals;
+    if json {
+        let tensors: Vec<_> = rows
+            .iter()
+            .map(|(name, dtype, shape, bytes, format, _)| {
+                json!({"name": name, "dtype": dtype, "shape": shape, "bytes": bytes, "format": format})
+            })
+            .collect();
+        println!(
+            "{}",
+            json!({
+                "tensors": tensors,
+                "totals": {"embedding_bytes": embedding, "lm_head_bytes": lm_head, "dense_bytes": dense,
+                           "expert_bytes": experts, "other_bytes": unknown,
+                           "all_bytes": embedding + lm_head + dense + experts + unknown},
+            })
+        );
+        return Ok(());
+    }
+    let name_width = rows.iter().map(|r| r.0.len()).max().unwrap_or(6).max(6);
+    println!("{:<name_width$}  {:<7}  {:<22}  {:>14}  format", "tensor", "dtype", "shape", "bytes");
+    for (name, dtype, shape, bytes, format, _) in &rows {
+        println!("{name:<name_width$}  {dtype:<7}  {:<22}  {bytes:>14}  {format}", format!("{shape:?}"));
+    }
+    let cfg = &loaded.config;
+    println!();
+    println!("tensors: {} in {} file(s)", rows.len(), ck.shard_paths().count());
+    println!("dense (attention, norms, routers, excluding embeddings/head): {}", human(dense));
+    println!("experts (mxfp4 blocks + scales + biases): {}", human(experts));
+    println!("embeddings: {}   lm_head: {}", human(embedding), human(lm_head));
+    if unknown > 0 {
+        println!("other (not used by picchio): {}", human(unknown));
+    }
+    println!("total: {}", human(embedding + lm_head + dense + experts + unknown));
+    println!(
+        "config: {} layers, hidden {}, {} heads x {} (kv {}), {} experts top-{}, intermediate {}, vocab {}",
+        cfg.num_layers,
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.head_dim,
+        cfg.num_kv_heads,
+        cfg.num_experts,
+        cfg.experts_per_token,
+        cfg.intermediate_size,
+        cfg.vocab_size
+    );
+    Ok(())
+}
+
+fn human(bytes: usize) -> String {
+    format!("{bytes} bytes ({:.3} GB)", bytes as f64 / 1e9)
+}

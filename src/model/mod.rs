@@ -1,0 +1,240 @@
+//! The GPT-OSS forward pass on the CPU tier, the KV cache, token choice and the generation loop.
+
+pub mod generate;
+pub mod kv_cache;
+pub mod sampler;
+
+use std::path::Path;
+
+use rayon::prelude::*;
+
+use crate::config::Config;
+use crate::cpu::attention::{HeadLayout, attend, first_visible_key};
+use crate::cpu::matmul::{dense_matmul, mxfp4_matmul};
+use crate::cpu::moe::{Routing, clamped_swiglu, route};
+use crate::cpu::norm::rms_norm;
+use crate::cpu::rope::RopeTable;
+use crate::error::{Error, Result};
+use crate::weights::{Checkpoint, LayerWeights, ModelWeights};
+pub use kv_cache::KvCache;
+
+/// Values of one layer at one position, for comparison with a reference implementation.
+#[derive(Debug, Clone)]
+pub struct LayerTrace {
+    /// Residual stream after the attention block.
+    pub after_attention: Vec<f32>,
+    /// Router choice, by descending logit.
+    pub routing: Routing,
+    /// Residual stream after the MoE block.
+    pub after_moe: Vec<f32>,
+}
+
+/// A loaded model: configuration, validated weights (mapped, not copied) and RoPE tables.
+pub struct Model {
+    pub config: Config,
+    pub checkpoint: Checkpoint,
+    pub weights: ModelWeights,
+    rope: RopeTable,
+}
+
+impl Model {
+    /// Loads `DIR/config.json` and the checkpoint's safetensors, enforcing the L0 contract.
+    pub fn load(dir: &Path) -> Result<Model> {
+        if !dir.is_dir() {
+            return Err(Error::io(
+                dir,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "model directory not found"),
+            ));
+        }
+        let config = Config::load(dir)?;
+        let checkpoint = Checkpoint::open(dir)?;
+        let weights = ModelWeights::load(&checkpoint, &config)?;
+        let rope = RopeTable::new(&config);
+        Ok(Model {
+            config,
+            checkpoint,
+            weights,
+            rope,
+        })
+    }
+
+    /// A KV cache for this model holding at most `context` positions.
+    pub fn new_cache(&self, context: usize) -> KvCache {
+        KvCache::new(&self.config, context)
+    }
+
+    /// Runs `tokens` (one or more, placed after what `cache` holds) through the model, all
+    /// positions of a layer at once, and returns the logits of the last position. With `trace`,
+    /// records every layer's values at the block's first position.
+    pub fn forward(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        mut trace: Option<&mut Vec<LayerTrace>>,
+    ) -> Result<Vec<f32>> {
+        let cfg = &self.config;
+        let (h, n) = (cfg.hidden_size, tokens.len());
+        if n == 0 {
+            return Err(Error::EmptyPrompt);
+        }
+        let start = cache.len();
+        if start + n > cache.context() {
+            return Err(Error::PromptTooLong {
+                prompt_len: start + n,
+                context: cache.context(),
+            });
+        }
+        for (i, &id) in tokens.iter().enumerate() {
+            if id as usize >= cfg.vocab_size {
+                return Err(Error::TokenOutOfRange {
+                    id,
+                    position: start + i,
+                    vocab_size: cfg.vocab_size,
+                });
+            }
+        }
+
+        let embeddings = &self.weights.embeddings;
+        let mut hidden: Vec<f32> = tokens
+            .iter()
+            .flat_map(|&id| {
+                crate::cpu::formats::decode_floats(embeddings.format, embeddings.row(id as usize))
+            })
+            .collect();
+        let mut normed = vec![0f32; n * h];
+        for (l, layer) in self.weights.layers.iter().enumerate() {
+            rms_norm(&hidden, &layer.input_norm, cfg.rms_norm_eps, &mut normed);
+            let attention = self.attention(l, layer, cache, start, &normed);
+            add_into(&mut hidden, &attention);
+            let after_attention = trace.is_some().then(|| hidden[..h].to_vec());
+
+            rms_norm(&hidden, &layer.post_attention_norm, cfg.rms_norm_eps, &mut normed);
+            let (moe, routings) = self.moe(layer, &normed);
+            add_into(&mut hidden, &moe);
+            if let (Some(trace), Some(after_attention)) = (trace.as_deref_mut(), after_attention) {
+                trace.push(LayerTrace {
+                    after_attention,
+                    routing: routings[0].clone(),
+                    after_moe: hidden[..h].to_vec(),
+                });
+            }
+        }
+        cache.advance(n);
+
+        let last = &hidden[(n - 1) * h..];
+        let mut final_hidden = vec![0f32; h];
+        rms_norm(last, &self.weights.final_norm, cfg.rms_norm_eps, &mut final_hidden);
+        let mut logits = vec![0f32; cfg.vocab_size];
+        dense_matmul(&self.weights.lm_head, &final_hidden, None, &mut logits);
+        Ok(logits)
+    }
+
+    /// Self-attention of a block of `n` positions starting at `start`; stores their keys/values.
+    fn attention(
+        &self,
+        l: usize,
+        layer: &LayerWeights,
+        cache: &mut KvCache,
+        start: usize,
+        x: &[f32],
+    ) -> Vec<f32> {
+        let cfg = &self.config;
+        let n = x.len() / cfg.hidden_size;
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let mut q = vec![0f32; n * qd];
+        let mut k = vec![0f32; n * kvd];
+        let mut v = vec![0f32; n * kvd];
+        dense_matmul(&layer.q, x, layer.q_bias.as_deref(), &mut q);
+        dense_matmul(&layer.k, x, layer.k_bias.as_deref(), &mut k);
+        dense_matmul(&layer.v, x, layer.v_bias.as_deref(), &mut v);
+        for t in 0..n {
+            let (cos, sin) = self.rope.cos_sin(start + t);
+            self.rope.apply(&mut q[t * qd..(t + 1) * qd], &cos, &sin);
+            self.rope.apply(&mut k[t * kvd..(t + 1) * kvd], &cos, &sin);
+        }
+
+        let layout = HeadLayout {
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+        };
+        let scaling = (cfg.head_dim as f64).powf(-0.5) as f32;
+        let window = cfg.window_of(l);
+        let mut out = vec![0f32; n * qd];
+        {
+            let cache = &*cache;
+            let (k, v) = (&k, &v);
+            // Keys of the block come from this call, older ones from the cache.
+            let kv = |j: usize| -> (&[f32], &[f32]) {
+                if j >= start {
+                    let t = j - start;
+                    (&k[t * kvd..(t + 1) * kvd], &v[t * kvd..(t + 1) * kvd])
+                } else {
+                    cache.get(l, j)
+                }
+            };
+            out.par_chunks_mut(qd).enumerate().for_each(|(t, o)| {
+                let position = start + t;
+                let keys = first_visible_key(position, window)..=position;
+                attend(layout, &q[t * qd..(t + 1) * qd], keys, kv, &layer.sinks, scaling, o);
+            });
+        }
+        cache.store(l, &k, &v);
+
+        let mut projected = vec![0f32; n * cfg.hidden_size];
+        dense_matmul(&layer.o, &out, layer.o_bias.as_deref(), &mut projected);
+        projected
+    }
+
+    /// The mixture of experts of a block: route every position, then run each chosen expert once
+    /// over all positions that chose it. Each position sums its experts in ascending id order,
+    /// as transformers does, so the result does not depend on the block size.
+    fn moe(&self, layer: &LayerWeights, x: &[f32]) -> (Vec<f32>, Vec<Routing>) {
+        let cfg = &self.config;
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let n = x.len() / h;
+        let mut logits = vec![0f32; n * cfg.num_experts];
+        dense_matmul(&layer.router, x, Some(&layer.router_bias), &mut logits);
+        let routings: Vec<Routing> = logits
+            .chunks_exact(cfg.num_experts)
+            .map(|l| route(l, cfg.experts_per_token))
+            .collect();
+
+        let mut out = vec![0f32; n * h];
+        for e in 0..cfg.num_experts {
+            let users: Vec<(usize, f32)> = routings
+                .iter()
+                .enumerate()
+                .filter_map(|(t, r)| {
+                    let k = r.experts.iter().position(|&x| x == e)?;
+                    Some((t, r.weights[k]))
+                })
+                .collect();
+            if users.is_empty() {
+                continue;
+            }
+            let m = users.len();
+            let xs: Vec<f32> = users.iter().flat_map(|&(t, _)| x[t * h..(t + 1) * h].to_vec()).collect();
+            let mut gate_up = vec![0f32; m * 2 * i];
+            let gate_up_bias = &layer.gate_up_bias[e * 2 * i..(e + 1) * 2 * i];
+            mxfp4_matmul(&layer.gate_up, e, &xs, Some(gate_up_bias), &mut gate_up);
+            let mut activated = vec![0f32; m * i];
+            clamped_swiglu(&gate_up, cfg.swiglu_alpha, cfg.swiglu_limit, &mut activated);
+            let mut down = vec![0f32; m * h];
+            let down_bias = &layer.down_bias[e * h..(e + 1) * h];
+            mxfp4_matmul(&layer.down, e, &activated, Some(down_bias), &mut down);
+            for (u, &(t, w)) in users.iter().enumerate() {
+                for (o, d) in out[t * h..(t + 1) * h].iter_mut().zip(&down[u * h..(u + 1) * h]) {
+                    *o += d * w;
+                }
+            }
+        }
+        (out, routings)
+    }
+}
+
+fn add_into(acc: &mut [f32], x: &[f32]) {
+    for (a, b) in acc.iter_mut().zip(x) {
+        *a += b;
+    }
+}

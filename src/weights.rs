@@ -1,0 +1,488 @@
+//! Checkpoint files: `model.safetensors` or shards listed by `model.safetensors.index.json`,
+//! mapped with memmap2 and described by the safetensors crate's header parser.
+//!
+//! This module knows the HF GPT-OSS tensor names and the L0 contract: every mandatory tensor is
+//! present with an accepted dtype and the shape config.json implies, or loading fails with an
+//! error naming the tensor and the file. It knows nothing about devices or caches.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors};
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+
+/// A tensor's place in a checkpoint.
+#[derive(Debug, Clone)]
+pub struct TensorEntry {
+    pub name: String,
+    pub shard: usize,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    /// Byte range in the shard file (absolute, header included).
+    pub range: Range<usize>,
+}
+
+struct Shard {
+    path: PathBuf,
+    map: Arc<Mmap>,
+}
+
+/// The mapped files of one checkpoint and the tensors they hold.
+pub struct Checkpoint {
+    dir: PathBuf,
+    shards: Vec<Shard>,
+    tensors: BTreeMap<String, TensorEntry>,
+}
+
+/// Bytes of one tensor, kept alive by a handle on its file's mapping.
+#[derive(Clone)]
+pub struct TensorBytes {
+    map: Arc<Mmap>,
+    range: Range<usize>,
+}
+
+impl TensorBytes {
+    pub fn bytes(&self) -> &[u8] {
+        &self.map[self.range.clone()]
+    }
+}
+
+impl std::fmt::Debug for TensorBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "TensorBytes({:?})", self.range)
+    }
+}
+
+const INDEX_FILE: &str = "model.safetensors.index.json";
+const SINGLE_FILE: &str = "model.safetensors";
+
+impl Checkpoint {
+    /// Opens every shard of the checkpoint in `dir` and reads their headers.
+    pub fn open(dir: &Path) -> Result<Checkpoint> {
+        if !dir.is_dir() {
+            return Err(Error::io(
+                dir,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "model directory not found"),
+            ));
+        }
+        let index_path = dir.join(INDEX_FILE);
+        let (files, weight_map) = if index_path.is_file() {
+            let (files, map) = read_index(&index_path)?;
+            (files, Some(map))
+        } else if dir.join(SINGLE_FILE).is_file() {
+            (vec![SINGLE_FILE.to_string()], None)
+        } else {
+            // Shards without an index: take every *.safetensors file in name order.
+            let mut files: Vec<String> = std::fs::read_dir(dir)
+                .map_err(|e| Error::io(dir, e))?
+                .filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.ends_with(".safetensors"))
+                .collect();
+            files.sort();
+            if files.is_empty() {
+                return Err(Error::io(
+                    dir,
+                    std::io::Error::new(
+                        std::io::ErrorKind::NotFound,
+                        format!("no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors file"),
+                    ),
+                ));
+            }
+            (files, None)
+        };
+
+        let mut shards = Vec::with_capacity(files.len());
+        let mut tensors = BTreeMap::new();
+        for (shard_index, file) in files.iter().enumerate() {
+            let path = dir.join(file);
+            let handle = File::open(&path).map_err(|e| Error::io(&path, e))?;
+            // SAFETY: the mapping is read-only and private to this process. A checkpoint file
+            // modified or truncated by another process while mapped is outside what we can guard
+            // against (as for every mmap-based loader); every offset we read is checked against the
+            // mapping's length by safetensors' header validation below.
+            let map = unsafe { Mmap::map(&handle) }.map_err(|e| Error::io(&path, e))?;
+            let (header_len, metadata) =
+                SafeTensors::read_metadata(&map).map_err(|e| Error::Safetensors {
+                    file: path.clone(),
+                    msg: describe_header_error(e, map.len()),
+                })?;
+            let data_start = 8 + header_len;
+            for (name, info) in metadata.tensors() {
+                let (begin, end) = info.data_offsets;
+                let entry = TensorEntry {
+                    name: name.clone(),
+                    shard: shard_index,
+                    dtype: info.dtype,
+                    shape: info.shape.clone(),
+                    range: data_start + begin..data_start + end,
+                };
+                if let Some(map) = &weight_map {
+                    // The index is the authority on which file holds a tensor.
+                    if map.get(&name).map(String::as_str) != Some(file.as_str()) {
+                        continue;
+                    }
+                }
+                if let Some(previous) = tensors.insert(name.clone(), entry) {
+                    let other: &Shard = &shards[previous.shard];
+                    return Err(Error::Safetensors {
+                        file: path.clone(),
+                        msg: format!("tensor `{name}` is also in {}", other.path.display()),
+                    });
+                }
+            }
+            shards.push(Shard {
+                path,
+                map: Arc::new(map),
+            });
+        }
+        if let Some(map) = &weight_map {
+            for (name, file) in map {
+                if !tensors.contains_key(name) {
+                    return Err(Error::ShardIndex {
+                        file: index_path.clone(),
+                        msg: format!("tensor `{name}` is listed in {file}, which does not hold it"),
+                    });
+                }
+            }
+        }
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            shards,
+            tensors,
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn tensors(&self) -> impl Iterator<Item = &TensorEntry> {
+        self.tensors.values()
+    }
+
+    pub fn get(&self, name: &str) -> Option<&TensorEntry> {
+        self.tensors.get(name)
+    }
+
+    pub fn file_of(&self, entry: &TensorEntry) -> &Path {
+        &self.shards[entry.shard].path
+    }
+
+    pub fn shard_paths(&self) -> impl Iterator<Item = &Path> {
+        self.shards.iter().map(|s| s.path.as_path())
+    }
+
+    pub fn bytes_of(&self, entry: &TensorEntry) -> TensorBytes {
+        TensorBytes {
+            map: self.shards[entry.shard].map.clone(),
+            range: entry.range.clone(),
+        }
+    }
+
+    /// Looks up a mandatory tensor and checks its dtype and shape (the L0 contract).
+    pub fn require(&self, name: &str, dtypes: &[Dtype], shape: &[usize]) -> Result<&TensorEntry> {
+        let entry = self.get(name).ok_or_else(|| Error::MissingTensor {
+            name: name.to_string(),
+            dir: self.dir.clone(),
+        })?;
+        if !dtypes.contains(&entry.dtype) {
+            let expected: Vec<String> = dtypes.iter().map(|d| format!("{d:?}")).collect();
+            return Err(Error::TensorDtype {
+                name: name.to_string(),
+                file: self.file_of(entry).to_path_buf(),
+                found: format!("{:?}", entry.dtype),
+                expected: expected.join(" or "),
+            });
+        }
+        if entry.shape != shape {
+            return Err(Error::TensorShape {
+                name: name.to_string(),
+                file: self.file_of(entry).to_path_buf(),
+                found: entry.shape.clone(),
+                expected: shape.to_vec(),
+            });
+        }
+        Ok(entry)
+    }
+}
+
+fn describe_header_error(e: safetensors::SafeTensorError, file_len: usize) -> String {
+    use safetensors::SafeTensorError as E;
+    match e {
+        E::MetadataIncompleteBuffer => format!(
+            "the header's tensor data does not end where the file ends ({file_len} bytes): truncated or corrupt"
+        ),
+        E::InvalidHeaderLength | E::HeaderTooSmall => {
+            format!("the header length does not fit in the file ({file_len} bytes): truncated or not safetensors")
+        }
+        other => other.to_string(),
+    }
+}
+
+fn read_index(path: &Path) -> Result<(Vec<String>, BTreeMap<String, String>)> {
+    let fail = |msg: String| Error::ShardIndex {
+        file: path.to_path_buf(),
+        msg,
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| fail(e.to_string()))?;
+    let map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| fail("no \"weight_map\" object".into()))?;
+    let mut weight_map = BTreeMap::new();
+    let mut files = BTreeSet::new();
+    for (name, file) in map {
+        let file = file
+            .as_str()
+            .ok_or_else(|| fail(format!("weight_map entry for `{name}` is not a file name")))?;
+        if file.contains('/') || file.contains('\\') || file.starts_with('.') {
+            return Err(fail(format!("shard name {file:?} is not a plain file name")));
+        }
+        files.insert(file.to_string());
+        weight_map.insert(name.clone(), file.to_string());
+    }
+    if files.is_empty() {
+        return Err(fail("weight_map is empty".into()));
+    }
+    Ok((files.into_iter().collect(), weight_map))
+}
+
+/// Floating-point storage formats of dense tensors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloatFormat {
+    Bf16,
+    F16,
+    F32,
+}
+
+impl FloatFormat {
+    pub const DTYPES: [Dtype; 3] = [Dtype::BF16, Dtype::F16, Dtype::F32];
+
+    fn of(dtype: Dtype) -> FloatFormat {
+        match dtype {
+            Dtype::BF16 => FloatFormat::Bf16,
+            Dtype::F16 => FloatFormat::F16,
+            Dtype::F32 => FloatFormat::F32,
+            other => unreachable!("dtype {other:?} was rejected by the L0 check"),
+        }
+    }
+
+    pub fn size(self) -> usize {
+        match self {
+            FloatFormat::Bf16 | FloatFormat::F16 => 2,
+            FloatFormat::F32 => 4,
+        }
+    }
+}
+
+/// A dense `[rows, cols]` matrix in PyTorch `[out, in]` orientation.
+#[derive(Debug, Clone)]
+pub struct DenseMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub format: FloatFormat,
+    pub data: TensorBytes,
+}
+
+impl DenseMatrix {
+    pub fn row(&self, r: usize) -> &[u8] {
+        let width = self.cols * self.format.size();
+        &self.data.bytes()[r * width..(r + 1) * width]
+    }
+}
+
+/// MXFP4 weights of all experts of one projection: `blocks [E, R, C/32, 16]`,
+/// `scales [E, R, C/32]` (E8M0), i.e. `E` matrices of `[R, C]`.
+#[derive(Debug, Clone)]
+pub struct Mxfp4Experts {
+    pub experts: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub blocks: TensorBytes,
+    pub scales: TensorBytes,
+}
+
+impl Mxfp4Experts {
+    /// The packed bytes and scales of row `r` of expert `e`.
+    pub fn row(&self, e: usize, r: usize) -> (&[u8], &[u8]) {
+        let groups = self.cols / 32;
+        let row_index = e * self.rows + r;
+        let blocks = &self.blocks.bytes()[row_index * groups * 16..(row_index + 1) * groups * 16];
+        let scales = &self.scales.bytes()[row_index * groups..(row_index + 1) * groups];
+        (blocks, scales)
+    }
+}
+
+/// Weights of one decoder layer.
+#[derive(Debug, Clone)]
+pub struct LayerWeights {
+    pub input_norm: Vec<f32>,
+    pub post_attention_norm: Vec<f32>,
+    pub q: DenseMatrix,
+    pub k: DenseMatrix,
+    pub v: DenseMatrix,
+    pub o: DenseMatrix,
+    pub q_bias: Option<Vec<f32>>,
+    pub k_bias: Option<Vec<f32>>,
+    pub v_bias: Option<Vec<f32>>,
+    pub o_bias: Option<Vec<f32>>,
+    pub sinks: Vec<f32>,
+    pub router: DenseMatrix,
+    pub router_bias: Vec<f32>,
+    /// `[E, 2I, H]`, rows interleaved: even = gate unit, odd = up unit.
+    pub gate_up: Mxfp4Experts,
+    /// `[E, 2I]`
+    pub gate_up_bias: Vec<f32>,
+    /// `[E, H, I]`
+    pub down: Mxfp4Experts,
+    /// `[E, H]`
+    pub down_bias: Vec<f32>,
+}
+
+/// All weights of a GPT-OSS model, validated against its config.
+pub struct ModelWeights {
+    pub embeddings: DenseMatrix,
+    pub layers: Vec<LayerWeights>,
+    pub final_norm: Vec<f32>,
+    pub lm_head: DenseMatrix,
+}
+
+/// What a tensor is, for `inspect` and byte accounting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TensorRole {
+    Embedding,
+    LmHead,
+    Dense,
+    Expert,
+    Unknown,
+}
+
+pub fn tensor_role(name: &str) -> TensorRole {
+    if name == "model.embed_tokens.weight" {
+        TensorRole::Embedding
+    } else if name == "lm_head.weight" {
+        TensorRole::LmHead
+    } else if name.contains(".mlp.experts.") {
+        TensorRole::Expert
+    } else if name.starts_with("model.layers.") || name == "model.norm.weight" {
+        TensorRole::Dense
+    } else {
+        TensorRole::Unknown
+    }
+}
+
+/// A short description of a tensor's storage format.
+pub fn tensor_format(name: &str, dtype: Dtype) -> String {
+    if name.ends_with("_blocks") {
+        "mxfp4 blocks (2 x e2m1 per byte)".into()
+    } else if name.ends_with("_scales") {
+        "mxfp4 scales (e8m0)".into()
+    } else {
+        format!("{dtype:?}").to_lowercase()
+    }
+}
+
+impl ModelWeights {
+    /// Resolves and validates every tensor the forward pass needs.
+    pub fn load(ck: &Checkpoint, cfg: &Config) -> Result<ModelWeights> {
+        let h = cfg.hidden_size;
+        let i = cfg.intermediate_size;
+        let e = cfg.num_experts;
+        if let Some(method) = &cfg.quant_method
+            && method != "mxfp4"
+        {
+            return Err(Error::Unsupported(format!(
+                "quantization_config.quant_method {method:?} (picchio reads mxfp4 experts)"
+            )));
+        }
+        for (what, n) in [("hidden_size", h), ("intermediate_size", i)] {
+            if n % 32 != 0 {
+                return Err(Error::Unsupported(format!(
+                    "{what} = {n} is not a multiple of 32, which MXFP4 experts need"
+                )));
+            }
+        }
+
+        let dense = |name: &str, rows: usize, cols: usize| -> Result<DenseMatrix> {
+            let entry = ck.require(name, &FloatFormat::DTYPES, &[rows, cols])?;
+            Ok(DenseMatrix {
+                rows,
+                cols,
+                format: FloatFormat::of(entry.dtype),
+                data: ck.bytes_of(entry),
+            })
+        };
+        let vector = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
+            let entry = ck.require(name, &FloatFormat::DTYPES, shape)?;
+            Ok(crate::cpu::formats::decode_floats(
+                FloatFormat::of(entry.dtype),
+                ck.bytes_of(entry).bytes(),
+            ))
+        };
+        let experts = |prefix: &str, rows: usize, cols: usize| -> Result<Mxfp4Experts> {
+            let groups = cols / 32;
+            let u8s = [Dtype::U8, Dtype::F8_E8M0];
+            let blocks = ck.require(&format!("{prefix}_blocks"), &[Dtype::U8], &[e, rows, groups, 16])?;
+            let scales = ck.require(&format!("{prefix}_scales"), &u8s, &[e, rows, groups])?;
+            Ok(Mxfp4Experts {
+                experts: e,
+                rows,
+                cols,
+                blocks: ck.bytes_of(blocks),
+                scales: ck.bytes_of(scales),
+            })
+        };
+
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        for l in 0..cfg.num_layers {
+            let p = format!("model.layers.{l}");
+            let bias = |name: &str, len: usize| -> Result<Option<Vec<f32>>> {
+                if cfg.attention_bias {
+                    vector(&format!("{p}.self_attn.{name}.bias"), &[len]).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
+            layers.push(LayerWeights {
+                input_norm: vector(&format!("{p}.input_layernorm.weight"), &[h])?,
+                post_attention_norm: vector(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
+                q: dense(&format!("{p}.self_attn.q_proj.weight"), qd, h)?,
+                k: dense(&format!("{p}.self_attn.k_proj.weight"), kvd, h)?,
+                v: dense(&format!("{p}.self_attn.v_proj.weight"), kvd, h)?,
+                o: dense(&format!("{p}.self_attn.o_proj.weight"), h, qd)?,
+                q_bias: bias("q_proj", qd)?,
+                k_bias: bias("k_proj", kvd)?,
+                v_bias: bias("v_proj", kvd)?,
+                o_bias: bias("o_proj", h)?,
+                sinks: vector(&format!("{p}.self_attn.sinks"), &[cfg.num_heads])?,
+                router: dense(&format!("{p}.mlp.router.weight"), e, h)?,
+                router_bias: vector(&format!("{p}.mlp.router.bias"), &[e])?,
+                gate_up: experts(&format!("{p}.mlp.experts.gate_up_proj"), 2 * i, h)?,
+                gate_up_bias: vector(&format!("{p}.mlp.experts.gate_up_proj_bias"), &[e, 2 * i])?,
+                down: experts(&format!("{p}.mlp.experts.down_proj"), h, i)?,
+                down_bias: vector(&format!("{p}.mlp.experts.down_proj_bias"), &[e, h])?,
+            });
+        }
+        let embeddings = dense("model.embed_tokens.weight", cfg.vocab_size, h)?;
+        let lm_head = if cfg.tie_word_embeddings && ck.get("lm_head.weight").is_none() {
+            embeddings.clone()
+        } else {
+            dense("lm_head.weight", cfg.vocab_size, h)?
+        };
+        Ok(ModelWeights {
+            embeddings,
+            layers,
+            final_norm: vector("model.norm.weight", &[h])?,
+            lm_head,
+        })
+    }
+}

@@ -1,0 +1,393 @@
+#!/usr/bin/env python3
+"""Build tiny random GPT-OSS checkpoints in the real Hugging Face layout and dump what
+transformers computes on them, as the L2 reference for picchio's tests.
+
+    pip install torch transformers safetensors numpy
+    python3 tools/make_fixtures.py --out fixtures
+
+Each fixture directory gets:
+  config.json                      real-style GPT-OSS config (yarn rope_scaling, truncate=false,
+                                   layer_types, quantization_config mxfp4)
+  model.safetensors | shards+index MXFP4 experts (*_blocks U8 [E,R,G,16], *_scales U8 [E,R,G]),
+                                   bf16 everything else
+  reference.json                   transformers (float32, eager attention, eager experts):
+                                   prompt ids, 32 greedy ids (EOS disabled), top-10 logits and
+                                   the top1-top2 margin per step, and per-layer checkpoints at
+                                   position 0 (residual after attention, router top-k ids and
+                                   weights, residual after the MoE block).
+
+The checkpoint is written first and then loaded back with `from_pretrained`, so transformers'
+own MXFP4 loader interprets the layout: the reference does not depend on this script's reading
+of the format.
+"""
+
+import argparse
+import json
+import math
+import os
+import shutil
+
+import numpy as np
+import safetensors.torch
+import torch
+import transformers
+from transformers import GptOssForCausalLM
+
+FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+FP4_MEAN_SQUARE = float(np.mean(FP4**2))
+
+# Each spec varies what a loader or a kernel could get wrong: sizes, head_dim vs hidden, window,
+# layer types, sharding, EOS form, prompt length.
+FIXTURES = [
+    dict(
+        name="tiny-single",
+        seed=1,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=64,
+        vocab_size=256,
+        sliding_window=8,  # prompt 12 + 32 generated crosses it five times
+        layer_types=None,  # alternate sliding/full like the real model
+        eos_token_id=2,
+        shards=1,
+        prompt_len=12,
+    ),
+    dict(
+        name="tiny-sharded",
+        seed=2,
+        hidden_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=32,  # NH * D = 192 != hidden 96, as in the real model (4096 vs 2880)
+        num_local_experts=8,
+        num_experts_per_tok=3,
+        intermediate_size=96,
+        vocab_size=384,
+        sliding_window=16,
+        layer_types=None,
+        eos_token_id=[1, 3],
+        shards=3,  # openai-style 0-based shard names with an index
+        prompt_len=20,
+    ),
+    dict(
+        name="tiny-long",
+        seed=3,
+        hidden_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=16,
+        num_local_experts=6,
+        num_experts_per_tok=4,
+        intermediate_size=64,
+        vocab_size=512,
+        sliding_window=32,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        eos_token_id=7,
+        shards=1,
+        prompt_len=120,  # longer than 100 tokens; 152 positions cross the window several times
+    ),
+]
+
+
+def make_config(spec):
+    layers = spec["num_hidden_layers"]
+    layer_types = spec["layer_types"] or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
+    ]
+    return {
+        "architectures": ["GptOssForCausalLM"],
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "eos_token_id": spec["eos_token_id"],
+        "experts_per_token": spec["num_experts_per_tok"],
+        "head_dim": spec["head_dim"],
+        "hidden_act": "silu",
+        "hidden_size": spec["hidden_size"],
+        "initial_context_length": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": spec["intermediate_size"],
+        "layer_types": layer_types,
+        "max_position_embeddings": 131072,
+        "model_type": "gpt_oss",
+        "num_attention_heads": spec["num_attention_heads"],
+        "num_experts_per_tok": spec["num_experts_per_tok"],
+        "num_hidden_layers": layers,
+        "num_key_value_heads": spec["num_key_value_heads"],
+        "num_local_experts": spec["num_local_experts"],
+        "output_router_logits": False,
+        "pad_token_id": 0,
+        "quantization_config": {
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+            "quant_method": "mxfp4",
+        },
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": spec["sliding_window"],
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "transformers_version": "4.55.0.dev0",
+        "use_cache": True,
+        "vocab_size": spec["vocab_size"],
+    }
+
+
+def bf16(rng, shape, std, mean=0.0):
+    return torch.from_numpy(rng.normal(mean, std, size=shape).astype(np.float32)).to(torch.bfloat16)
+
+
+def mxfp4(rng, experts, rows, cols, target_std):
+    """Random codes with E8M0 scales chosen so that a dot with a unit-RMS input has about
+    `target_std`; scales vary by +-1 per group so rows differ in magnitude."""
+    groups = cols // 32
+    blocks = rng.integers(0, 256, size=(experts, rows, groups, 16), dtype=np.uint8)
+    per_weight = target_std / math.sqrt(cols * FP4_MEAN_SQUARE)
+    base = 127 + int(round(math.log2(per_weight)))
+    scales = (base + rng.integers(-1, 2, size=(experts, rows, groups))).astype(np.uint8)
+    return torch.from_numpy(blocks), torch.from_numpy(scales)
+
+
+def dequantize(blocks, scales):
+    """Reference decode used only to check transformers' loader read what we wrote."""
+    b = blocks.numpy()
+    values = np.empty(b.shape[:-1] + (32,), dtype=np.float32)
+    values[..., 0::2] = FP4[b & 0x0F]
+    values[..., 1::2] = FP4[b >> 4]
+    values *= np.exp2(scales.numpy().astype(np.float32) - 127)[..., None]
+    return torch.from_numpy(values.reshape(*b.shape[:-2], -1))
+
+
+def make_tensors(spec, rng):
+    h, i = spec["hidden_size"], spec["intermediate_size"]
+    nh, kv, d = spec["num_attention_heads"], spec["num_key_value_heads"], spec["head_dim"]
+    e, v = spec["num_local_experts"], spec["vocab_size"]
+    t = {"model.embed_tokens.weight": bf16(rng, (v, h), 1.0)}
+    for l in range(spec["num_hidden_layers"]):
+        p = f"model.layers.{l}"
+        t[f"{p}.input_layernorm.weight"] = bf16(rng, (h,), 0.1, 1.0)
+        t[f"{p}.post_attention_layernorm.weight"] = bf16(rng, (h,), 0.1, 1.0)
+        # Attention logits of a few units so the softmax is neither flat nor one-hot.
+        t[f"{p}.self_attn.q_proj.weight"] = bf16(rng, (nh * d, h), 1.5 / math.sqrt(h))
+        t[f"{p}.self_attn.q_proj.bias"] = bf16(rng, (nh * d,), 0.2)
+        t[f"{p}.self_attn.k_proj.weight"] = bf16(rng, (kv * d, h), 1.5 / math.sqrt(h))
+        t[f"{p}.self_attn.k_proj.bias"] = bf16(rng, (kv * d,), 0.2)
+        t[f"{p}.self_attn.v_proj.weight"] = bf16(rng, (kv * d, h), 1.0 / math.sqrt(h))
+        t[f"{p}.self_attn.v_proj.bias"] = bf16(rng, (kv * d,), 0.1)
+        t[f"{p}.self_attn.o_proj.weight"] = bf16(rng, (h, nh * d), 1.0 / math.sqrt(nh * d))
+        t[f"{p}.self_attn.o_proj.bias"] = bf16(rng, (h,), 0.1)
+        t[f"{p}.self_attn.sinks"] = bf16(rng, (nh,), 1.0)
+        # Uneven routing: strong router weights plus a per-expert bias.
+        t[f"{p}.mlp.router.weight"] = bf16(rng, (e, h), 2.0 / math.sqrt(h))
+        t[f"{p}.mlp.router.bias"] = bf16(rng, (e,), 1.0)
+        # gate/up pre-activations with std ~3 (scales vary by 2x): a few percent pass the +-7 clamp.
+        blocks, scales = mxfp4(rng, e, 2 * i, h, 2.5)
+        t[f"{p}.mlp.experts.gate_up_proj_blocks"] = blocks
+        t[f"{p}.mlp.experts.gate_up_proj_scales"] = scales
+        t[f"{p}.mlp.experts.gate_up_proj_bias"] = bf16(rng, (e, 2 * i), 0.5)
+        blocks, scales = mxfp4(rng, e, h, i, 0.15)
+        t[f"{p}.mlp.experts.down_proj_blocks"] = blocks
+        t[f"{p}.mlp.experts.down_proj_scales"] = scales
+        t[f"{p}.mlp.experts.down_proj_bias"] = bf16(rng, (e, h), 0.1)
+    t["model.norm.weight"] = bf16(rng, (h,), 0.1, 1.0)
+    # Logits with a spread of several units, so greedy margins are not razor thin.
+    t["lm_head.weight"] = bf16(rng, (v, h), 4.0 / math.sqrt(h))
+    return t
+
+
+def save_checkpoint(tensors, out_dir, shards):
+    if shards == 1:
+        safetensors.torch.save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    per = math.ceil(len(names) / shards)
+    weight_map = {}
+    total = 0
+    for s in range(shards):
+        # openai's 0-based naming: model-00000-of-00002 ... model-00002-of-00002 for 3 files.
+        file = f"model-{s:05d}-of-{shards - 1:05d}.safetensors"
+        part = {n: tensors[n] for n in names[s * per : (s + 1) * per]}
+        safetensors.torch.save_file(part, os.path.join(out_dir, file), metadata={"format": "pt"})
+        for n, x in part.items():
+            weight_map[n] = file
+            total += x.numel() * x.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2, sort_keys=True)
+
+
+def load_reference_model(out_dir):
+    model = GptOssForCausalLM.from_pretrained(
+        out_dir,
+        dtype=torch.float32,
+        attn_implementation="eager",
+        experts_implementation="eager",
+    )
+    model.eval()
+    # transformers' generation_config EOS wins over generate(eos_token_id=None): clear it.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def check_loaded_experts(model, tensors, spec):
+    """transformers must have read our blocks/scales as we meant them (and as picchio reads them)."""
+    for l in range(spec["num_hidden_layers"]):
+        p = f"model.layers.{l}.mlp.experts"
+        experts = model.model.layers[l].mlp.experts
+        for proj in ("gate_up_proj", "down_proj"):
+            ours = dequantize(tensors[f"{p}.{proj}_blocks"], tensors[f"{p}.{proj}_scales"])  # [E, out, in]
+            theirs = getattr(experts, proj).detach().float().transpose(1, 2)  # [E, in, out] -> [E, out, in]
+            assert torch.equal(ours, theirs), f"layer {l} {proj}: transformers decoded MXFP4 differently"
+
+
+@torch.no_grad()
+def layer_checkpoints(model, prompt):
+    records = []
+    hooks = []
+    for layer in model.model.layers:
+        rec = {}
+        records.append(rec)
+        hooks.append(
+            layer.post_attention_layernorm.register_forward_pre_hook(
+                lambda m, args, rec=rec: rec.__setitem__("after_attention", args[0][0, 0].tolist())
+            )
+        )
+
+        def router_hook(m, args, out, rec=rec):
+            _, scores, indices = out
+            rec["router_ids"] = indices[0].tolist()
+            rec["router_weights"] = scores[0].tolist()
+
+        hooks.append(layer.mlp.router.register_forward_hook(router_hook))
+        hooks.append(
+            layer.register_forward_hook(
+                lambda m, args, out, rec=rec: rec.__setitem__(
+                    "after_moe", (out[0] if isinstance(out, tuple) else out)[0, 0].tolist()
+                )
+            )
+        )
+    model(torch.tensor([prompt]), use_cache=False)
+    for hk in hooks:
+        hk.remove()
+    return records
+
+
+@torch.no_grad()
+def greedy(model, prompt, new_tokens, top):
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    ids = out.sequences[0, len(prompt) :].tolist()
+    steps = []
+    for logits in out.logits:
+        row = logits[0].float()
+        values, indices = torch.topk(row, top)
+        steps.append(
+            {
+                "top": [[int(i), float(v)] for i, v in zip(indices, values)],
+                "margin": float(values[0] - values[1]),
+            }
+        )
+    return ids, steps
+
+
+def clamp_fraction(model, prompt, limit):
+    """Fraction of gate/up pre-activations that the SwiGLU clamp changes (for the README)."""
+    hit, total = 0, 0
+
+    for layer in model.model.layers:
+        original = layer.mlp.experts._apply_gate
+
+        def counting(gate_up, original=original):
+            nonlocal hit, total
+            gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+            hit += int((gate > limit).sum() + (up.abs() > limit).sum())
+            total += gate_up.numel()
+            return original(gate_up)
+
+        layer.mlp.experts._apply_gate = counting
+    with torch.no_grad():
+        model(torch.tensor([prompt]), use_cache=False)
+    for layer in model.model.layers:
+        del layer.mlp.experts._apply_gate  # back to the class method
+    return hit / max(total, 1)
+
+
+def build(spec, out_root, new_tokens, top):
+    out_dir = os.path.join(out_root, spec["name"])
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.makedirs(out_dir)
+    rng = np.random.default_rng(spec["seed"])
+    torch.manual_seed(spec["seed"])
+    config = make_config(spec)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    tensors = make_tensors(spec, rng)
+    save_checkpoint(tensors, out_dir, spec["shards"])
+
+    model = load_reference_model(out_dir)
+    check_loaded_experts(model, tensors, spec)
+    # Avoid the EOS ids in the prompt so the prompt reads like text.
+    prompt = [int(x) for x in rng.integers(10, spec["vocab_size"], size=spec["prompt_len"])]
+    ids, steps = greedy(model, prompt, new_tokens, top)
+    layers = layer_checkpoints(model, prompt)
+    reference = {
+        "generator": "tools/make_fixtures.py",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "settings": {"dtype": "float32", "attn_implementation": "eager", "experts_implementation": "eager"},
+        "prompt_ids": prompt,
+        "generated_ids": ids,
+        "steps": steps,
+        "min_margin": min(s["margin"] for s in steps),
+        "clamp_fraction": clamp_fraction(model, prompt, config["swiglu_limit"]),
+        "layers": layers,
+    }
+    with open(os.path.join(out_dir, "reference.json"), "w") as f:
+        json.dump(reference, f)
+    print(
+        f"{spec['name']}: prompt {len(prompt)} ids, generated {ids[:8]}..., "
+        f"min margin {reference['min_margin']:.4f}, clamp fraction {reference['clamp_fraction']:.3f}"
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="fixtures")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--only", nargs="*", help="fixture names to build (default: all)")
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    for spec in FIXTURES:
+        if args.only and spec["name"] not in args.only:
+            continue
+        build(spec, args.out, args.new_tokens, args.top)
+
+
+if __name__ == "__main__":
+    main()
