@@ -72,9 +72,10 @@ impl Default for RawConfig {
             vocab_size: 201088,
             hidden_size: 2880,
             intermediate_size: 2880,
-            head_dim: None,
+            // Absent means 64 and 8; an explicit null means hidden/heads and num_attention_heads.
+            head_dim: Some(64),
             num_attention_heads: 64,
-            num_key_value_heads: None,
+            num_key_value_heads: Some(8),
             sliding_window: Some(128),
             tie_word_embeddings: false,
             max_position_embeddings: 131072,
@@ -160,7 +161,10 @@ impl Config {
             path: path.to_path_buf(),
             msg,
         };
-        let raw: RawConfig = serde_json::from_str(text).map_err(|e| fail(e.to_string()))?;
+        // serde_path_to_error names the offending key (e.g. `hidden_size: invalid type ...`).
+        let mut de = serde_json::Deserializer::from_str(text);
+        let raw: RawConfig = serde_path_to_error::deserialize(&mut de).map_err(|e| fail(e.to_string()))?;
+        de.end().map_err(|e| fail(e.to_string()))?;
         Config::from_raw(raw).map_err(fail)
     }
 
@@ -422,10 +426,13 @@ mod tests {
     fn defaults_follow_transformers() {
         let c = parse(r#"{"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3,
             "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 10,
-            "intermediate_size": 32, "rope_theta": 10000}"#)
+            "intermediate_size": 32, "rope_theta": 10000, "head_dim": null,
+            "num_key_value_heads": null}"#)
         .unwrap();
         assert_eq!(c.head_dim, 16);
         assert_eq!(c.num_kv_heads, 4);
+        let absent = parse(r#"{"num_attention_heads": 16}"#).unwrap();
+        assert_eq!((absent.head_dim, absent.num_kv_heads, absent.sliding_window), (64, 8, Some(128)));
         assert_eq!(
             c.layer_types,
             vec![LayerType::Sliding, LayerType::Full, LayerType::Sliding]
@@ -455,7 +462,7 @@ mod tests {
             ("{", "EOF"),
             (r#"{"hidden_size": "big"}"#, "hidden_size"),
             (r#"{"num_attention_heads": 6, "num_key_value_heads": 4}"#, "multiple"),
-            (r#"{"layer_types": ["full_attention"]}"#, "layer_types"),
+            (r#"{"num_hidden_layers": 2, "layer_types": ["full_attention"]}"#, "layer_types"),
             (r#"{"layer_types": ["global"]}"#, "global"),
             (r#"{"model_type": "llama"}"#, "llama"),
             (r#"{"rope_scaling": {"rope_type": "longrope"}}"#, "longrope"),

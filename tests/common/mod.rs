@@ -1,0 +1,180 @@
+//! Helpers shared by the integration tests: fixture discovery, the transformers reference,
+//! tolerance comparison, and checkpoint rewriting (to build bad or differently laid-out inputs).
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use serde::Deserialize;
+
+pub fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+}
+
+/// Every committed fixture checkpoint (a directory with a `reference.json`).
+pub fn fixture_dirs() -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(fixtures_dir())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.join("reference.json").is_file())
+        .collect();
+    dirs.sort();
+    assert!(dirs.len() >= 3, "expected at least 3 fixtures, found {dirs:?}");
+    dirs
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ReferenceStep {
+    pub top: Vec<(u32, f32)>,
+    pub margin: f32,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ReferenceLayer {
+    pub after_attention: Vec<f32>,
+    pub router_ids: Vec<usize>,
+    pub router_weights: Vec<f32>,
+    pub after_moe: Vec<f32>,
+}
+
+/// What transformers computed on a fixture (see tools/make_fixtures.py).
+#[derive(Debug, Deserialize)]
+pub struct Reference {
+    pub prompt_ids: Vec<u32>,
+    pub generated_ids: Vec<u32>,
+    pub steps: Vec<ReferenceStep>,
+    pub layers: Vec<ReferenceLayer>,
+}
+
+pub fn reference(dir: &Path) -> Reference {
+    let text = std::fs::read_to_string(dir.join("reference.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// Outcome of an elementwise `|got - want| <= atol + rtol * |want|` comparison.
+#[derive(Debug)]
+pub struct Comparison {
+    pub failures: usize,
+    pub max_abs_error: f32,
+    pub worst_index: usize,
+}
+
+pub fn compare(got: &[f32], want: &[f32], atol: f32, rtol: f32) -> Comparison {
+    assert_eq!(got.len(), want.len(), "length mismatch");
+    let mut c = Comparison {
+        failures: 0,
+        max_abs_error: 0.0,
+        worst_index: 0,
+    };
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let err = (g - w).abs();
+        if !(err <= atol + rtol * w.abs()) {
+            c.failures += 1;
+        }
+        if !(err <= c.max_abs_error) {
+            c.max_abs_error = err;
+            c.worst_index = i;
+        }
+    }
+    c
+}
+
+/// Asserts a comparison passed, reporting count, max error and where.
+pub fn assert_close(what: &str, got: &[f32], want: &[f32], atol: f32, rtol: f32) -> Comparison {
+    let c = compare(got, want, atol, rtol);
+    assert_eq!(
+        c.failures, 0,
+        "{what}: {} of {} values outside atol {atol} + rtol {rtol}; max |error| {} at index {} (got {}, want {})",
+        c.failures,
+        got.len(),
+        c.max_abs_error,
+        c.worst_index,
+        got[c.worst_index],
+        want[c.worst_index]
+    );
+    c
+}
+
+/// One tensor of a checkpoint being rewritten.
+pub struct Tensor {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub data: Vec<u8>,
+}
+
+/// Reads every tensor of a checkpoint directory (all shards), in name order.
+pub fn read_tensors(dir: &Path) -> Vec<Tensor> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().and_then(|e| e.to_str()) != Some("safetensors") {
+            continue;
+        }
+        let bytes = std::fs::read(&path).unwrap();
+        let st = SafeTensors::deserialize(&bytes).unwrap();
+        for (name, view) in st.tensors() {
+            out.push(Tensor {
+                name,
+                dtype: view.dtype(),
+                shape: view.shape().to_vec(),
+                data: view.data().to_vec(),
+            });
+        }
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    out
+}
+
+fn serialize(tensors: &[Tensor]) -> Vec<u8> {
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|t| (t.name.clone(), TensorView::new(t.dtype, t.shape.clone(), &t.data).unwrap()))
+        .collect();
+    safetensors::serialize(views, None).unwrap()
+}
+
+/// Writes `tensors` into `dir` as `file_names.len()` shards (round-robin), with an index when
+/// `with_index`; copies `config.json` from `config_from`.
+pub fn write_checkpoint(dir: &Path, config_from: &Path, tensors: &[Tensor], file_names: &[&str], with_index: bool) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::copy(config_from.join("config.json"), dir.join("config.json")).unwrap();
+    let mut weight_map = serde_json::Map::new();
+    for (s, file) in file_names.iter().enumerate() {
+        let part: Vec<Tensor> = tensors
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| i % file_names.len() == s)
+            .map(|(_, t)| Tensor {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                data: t.data.clone(),
+            })
+            .collect();
+        for t in &part {
+            weight_map.insert(t.name.clone(), serde_json::Value::String(file.to_string()));
+        }
+        std::fs::write(dir.join(file), serialize(&part)).unwrap();
+    }
+    if with_index {
+        let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+    }
+}
+
+/// A copy of a fixture with its tensors passed through `edit` (which may drop, change or add).
+pub fn rewritten_fixture(src: &Path, edit: impl FnOnce(&mut Vec<Tensor>)) -> tempfile::TempDir {
+    let mut tensors = read_tensors(src);
+    edit(&mut tensors);
+    let dir = tempfile::tempdir().unwrap();
+    write_checkpoint(dir.path(), src, &tensors, &["model.safetensors"], false);
+    dir
+}
+
+pub fn bf16_to_f32_bytes(data: &[u8]) -> Vec<u8> {
+    data.chunks_exact(2)
+        .flat_map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16).to_le_bytes())
+        .collect()
+}

@@ -1,0 +1,189 @@
+//! L2: the CPU tier against transformers on the committed fixtures, and invariances that must
+//! hold on any checkpoint (batched prefill == one token at a time, layout does not matter).
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use common::*;
+use picchio::Model;
+use picchio::model::generate::{GenerateOptions, generate};
+use picchio::model::sampler::argmax;
+
+/// Logit tolerance against float32 transformers (SEMANTICS.md §7).
+const LOGIT_ATOL: f32 = 1e-3;
+/// Residual-stream tolerance at the layer checkpoints.
+const HIDDEN_ATOL: f32 = 1e-4;
+const HIDDEN_RTOL: f32 = 1e-4;
+const ROUTER_WEIGHT_ATOL: f32 = 1e-5;
+
+fn options(max_new_tokens: usize) -> GenerateOptions {
+    GenerateOptions {
+        max_new_tokens,
+        top_logits: 10,
+        stop_at_eos: false,
+        context: 4096,
+    }
+}
+
+#[test]
+fn greedy_tokens_match_transformers() {
+    for dir in fixture_dirs() {
+        let model = Model::load(&dir).unwrap();
+        let reference = reference(&dir);
+        let out = generate(&model, &reference.prompt_ids, &options(reference.generated_ids.len())).unwrap();
+        assert_eq!(out.generated_ids, reference.generated_ids, "{}", dir.display());
+    }
+}
+
+#[test]
+fn top_logits_match_transformers_within_tolerance() {
+    for dir in fixture_dirs() {
+        let model = Model::load(&dir).unwrap();
+        let reference = reference(&dir);
+        // Teacher-forced on transformers' tokens, so every step is compared even after a flip.
+        let mut cache = model.new_cache(4096);
+        let mut logits = model.forward(&mut cache, &reference.prompt_ids, None).unwrap();
+        let mut worst = 0f32;
+        for (step, (want, &id)) in reference.steps.iter().zip(&reference.generated_ids).enumerate() {
+            let ids: Vec<usize> = want.top.iter().map(|(i, _)| *i as usize).collect();
+            let got: Vec<f32> = ids.iter().map(|&i| logits[i]).collect();
+            let expected: Vec<f32> = want.top.iter().map(|(_, v)| *v).collect();
+            let c = assert_close(&format!("{} step {step} top-10 logits", dir.display()), &got, &expected, LOGIT_ATOL, 0.0);
+            worst = worst.max(c.max_abs_error);
+            assert_eq!(argmax(&logits), id, "{} step {step} (margin {})", dir.display(), want.margin);
+            logits = model.forward(&mut cache, &[id], None).unwrap();
+        }
+        eprintln!("{}: max |logit error| vs transformers over 32 steps x top-10: {worst:e}", dir.display());
+    }
+}
+
+#[test]
+fn layer_checkpoints_match_transformers() {
+    for dir in fixture_dirs() {
+        let model = Model::load(&dir).unwrap();
+        let reference = reference(&dir);
+        let mut cache = model.new_cache(4096);
+        let mut trace = Vec::new();
+        model.forward(&mut cache, &reference.prompt_ids, Some(&mut trace)).unwrap();
+        assert_eq!(trace.len(), reference.layers.len());
+        for (l, (got, want)) in trace.iter().zip(&reference.layers).enumerate() {
+            let what = |s: &str| format!("{} layer {l} {s}", dir.display());
+            assert_close(&what("after attention"), &got.after_attention, &want.after_attention, HIDDEN_ATOL, HIDDEN_RTOL);
+            let got_set: BTreeSet<usize> = got.routing.experts.iter().copied().collect();
+            let want_set: BTreeSet<usize> = want.router_ids.iter().copied().collect();
+            assert_eq!(got_set, want_set, "{}", what("router top-k"));
+            // Weights compared by expert id, whatever the order.
+            let got_weights: Vec<f32> = want
+                .router_ids
+                .iter()
+                .map(|e| got.routing.weights[got.routing.experts.iter().position(|x| x == e).unwrap()])
+                .collect();
+            assert_close(&what("router weights"), &got_weights, &want.router_weights, ROUTER_WEIGHT_ATOL, 0.0);
+            assert_close(&what("after MoE"), &got.after_moe, &want.after_moe, HIDDEN_ATOL, HIDDEN_RTOL);
+        }
+    }
+}
+
+/// Runs the prompt in blocks of `block` positions, then greedy-decodes `steps` tokens,
+/// returning every logits vector.
+fn run_in_blocks(model: &Model, prompt: &[u32], block: usize, steps: usize) -> Vec<Vec<f32>> {
+    let mut cache = model.new_cache(4096);
+    let mut all = Vec::new();
+    let mut logits = Vec::new();
+    for chunk in prompt.chunks(block) {
+        logits = model.forward(&mut cache, chunk, None).unwrap();
+    }
+    all.push(logits.clone());
+    for _ in 0..steps {
+        logits = model.forward(&mut cache, &[argmax(&logits)], None).unwrap();
+        all.push(logits.clone());
+    }
+    all
+}
+
+#[test]
+fn batched_prefill_equals_one_token_at_a_time() {
+    for dir in fixture_dirs() {
+        let model = Model::load(&dir).unwrap();
+        let prompt = reference(&dir).prompt_ids;
+        let batched = run_in_blocks(&model, &prompt, prompt.len(), 12);
+        // Block sizes that straddle the sliding windows (8, 16, 32) in different ways.
+        for block in [1, 5, 17] {
+            let other = run_in_blocks(&model, &prompt, block, 12);
+            // Same dot products in the same order: bit-identical, not merely close.
+            assert_eq!(batched, other, "{}: blocks of {block} differ from one batch", dir.display());
+        }
+    }
+}
+
+#[test]
+fn layout_does_not_change_results() {
+    let src = fixtures_dir().join("tiny-single");
+    let reference = reference(&src);
+    let expected = {
+        let model = Model::load(&src).unwrap();
+        run_in_blocks(&model, &reference.prompt_ids, 64, 8)
+    };
+    let tensors = read_tensors(&src);
+
+    // Sharded with HF's 1-based names and an index.
+    let sharded = tempfile::tempdir().unwrap();
+    let names = ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"];
+    write_checkpoint(sharded.path(), &src, &tensors, &names, true);
+    // Shards with no index file.
+    let unindexed = tempfile::tempdir().unwrap();
+    write_checkpoint(unindexed.path(), &src, &tensors, &["a.safetensors", "b.safetensors"], false);
+    // Dense tensors widened to f32 (bf16 -> f32 is exact) and f16 sinks.
+    let widened = rewritten_fixture(&src, |ts| {
+        for t in ts.iter_mut().filter(|t| t.dtype == safetensors::Dtype::BF16 && !t.name.ends_with("sinks")) {
+            t.data = bf16_to_f32_bytes(&t.data);
+            t.dtype = safetensors::Dtype::F32;
+        }
+    });
+
+    for dir in [sharded.path(), unindexed.path(), widened.path()] {
+        let model = Model::load(dir).unwrap();
+        let got = run_in_blocks(&model, &reference.prompt_ids, 64, 8);
+        assert_eq!(got, expected, "{}", dir.display());
+    }
+}
+
+#[test]
+fn generation_stops_at_eos_unless_ignored() {
+    let src = fixtures_dir().join("tiny-long");
+    let reference = reference(&src);
+    // Make a token that greedy decoding reaches at step 5 (and not before) the EOS id.
+    let eos = reference.generated_ids[5];
+    assert!(!reference.generated_ids[..5].contains(&eos));
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+    }
+    let mut config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    config["eos_token_id"] = serde_json::json!([9999, eos]);
+    std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
+
+    let model = Model::load(dir.path()).unwrap();
+    let mut opts = options(32);
+    opts.stop_at_eos = true;
+    let stopped = generate(&model, &reference.prompt_ids, &opts).unwrap();
+    assert_eq!(stopped.generated_ids, reference.generated_ids[..6]);
+    opts.stop_at_eos = false;
+    let full = generate(&model, &reference.prompt_ids, &opts).unwrap();
+    assert_eq!(full.generated_ids, reference.generated_ids);
+}
+
+#[test]
+fn context_limit_ends_generation() {
+    let dir = fixtures_dir().join("tiny-single");
+    let reference = reference(&dir);
+    let model = Model::load(&dir).unwrap();
+    let mut opts = options(32);
+    opts.context = reference.prompt_ids.len() + 3;
+    let out = generate(&model, &reference.prompt_ids, &opts).unwrap();
+    // Positions 0..context-1 can be fed; the token chosen at the last one is still reported.
+    assert_eq!(out.generated_ids, reference.generated_ids[..4]);
+}
