@@ -163,7 +163,8 @@ impl Config {
         };
         // serde_path_to_error names the offending key (e.g. `hidden_size: invalid type ...`).
         let mut de = serde_json::Deserializer::from_str(text);
-        let raw: RawConfig = serde_path_to_error::deserialize(&mut de).map_err(|e| fail(e.to_string()))?;
+        let raw: RawConfig =
+            serde_path_to_error::deserialize(&mut de).map_err(|e| fail(e.to_string()))?;
         de.end().map_err(|e| fail(e.to_string()))?;
         Config::from_raw(raw).map_err(fail)
     }
@@ -172,7 +173,9 @@ impl Config {
         if let Some(t) = &raw.model_type
             && t != "gpt_oss"
         {
-            return Err(format!("model_type is {t:?}; picchio runs \"gpt_oss\" models"));
+            return Err(format!(
+                "model_type is {t:?}; picchio runs \"gpt_oss\" models"
+            ));
         }
         let num_heads = raw.num_attention_heads;
         let num_kv_heads = raw.num_key_value_heads.unwrap_or(num_heads);
@@ -196,13 +199,15 @@ impl Config {
                 return Err(format!("{name} must be positive"));
             }
         }
-        if num_heads % num_kv_heads != 0 {
+        if !num_heads.is_multiple_of(num_kv_heads) {
             return Err(format!(
                 "num_attention_heads ({num_heads}) is not a multiple of num_key_value_heads ({num_kv_heads})"
             ));
         }
         if head_dim % 2 != 0 {
-            return Err(format!("head_dim ({head_dim}) must be even for rotary embeddings"));
+            return Err(format!(
+                "head_dim ({head_dim}) must be even for rotary embeddings"
+            ));
         }
         if raw.num_experts_per_tok > raw.num_local_experts {
             return Err(format!(
@@ -211,7 +216,10 @@ impl Config {
             ));
         }
         if !(raw.rms_norm_eps.is_finite() && raw.rms_norm_eps >= 0.0) {
-            return Err(format!("rms_norm_eps ({}) must be a finite non-negative number", raw.rms_norm_eps));
+            return Err(format!(
+                "rms_norm_eps ({}) must be a finite non-negative number",
+                raw.rms_norm_eps
+            ));
         }
         if raw.sliding_window == Some(0) {
             return Err("sliding_window must be positive (or null)".into());
@@ -229,7 +237,13 @@ impl Config {
                 types
             }
             None => (0..raw.num_hidden_layers)
-                .map(|i| if i % 2 == 0 { LayerType::Sliding } else { LayerType::Full })
+                .map(|i| {
+                    if i % 2 == 0 {
+                        LayerType::Sliding
+                    } else {
+                        LayerType::Full
+                    }
+                })
                 .collect(),
         };
         let rope = resolve_rope(&raw, head_dim)?;
@@ -313,9 +327,13 @@ fn resolve_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<Rope, S
             m
         }
     };
-    let theta = number(&params, "rope_theta")?.or(raw.rope_theta).unwrap_or(150000.0);
+    let theta = number(&params, "rope_theta")?
+        .or(raw.rope_theta)
+        .unwrap_or(150000.0);
     if !(theta.is_finite() && theta > 1.0) {
-        return Err(format!("rope_theta ({theta}) must be a finite number above 1"));
+        return Err(format!(
+            "rope_theta ({theta}) must be a finite number above 1"
+        ));
     }
     if let Some(p) = number(&params, "partial_rotary_factor")?
         && p != 1.0
@@ -335,13 +353,17 @@ fn resolve_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<Rope, S
                 None => number(&params, "original_max_position_embeddings")?
                     .unwrap_or(raw.max_position_embeddings as f64),
             };
-            if !(original > 0.0) {
+            if original.is_nan() || original <= 0.0 {
                 return Err("original_max_position_embeddings must be positive".into());
             }
-            let factor = number(&params, "factor")?
-                .unwrap_or(raw.max_position_embeddings as f64 / original);
+            let factor =
+                number(&params, "factor")?.unwrap_or(raw.max_position_embeddings as f64 / original);
             let mscale_of = |scale: f64, mscale: f64| {
-                if scale <= 1.0 { 1.0 } else { 0.1 * mscale * scale.ln() + 1.0 }
+                if scale <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * mscale * scale.ln() + 1.0
+                }
             };
             let attention_factor = match number(&params, "attention_factor")? {
                 Some(a) => a,
@@ -355,8 +377,12 @@ fn resolve_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<Rope, S
                 }
             };
             // `or` in Python: 0 or absent falls back to the paper's defaults.
-            let beta_fast = number(&params, "beta_fast")?.filter(|b| *b != 0.0).unwrap_or(32.0);
-            let beta_slow = number(&params, "beta_slow")?.filter(|b| *b != 0.0).unwrap_or(1.0);
+            let beta_fast = number(&params, "beta_fast")?
+                .filter(|b| *b != 0.0)
+                .unwrap_or(32.0);
+            let beta_slow = number(&params, "beta_slow")?
+                .filter(|b| *b != 0.0)
+                .unwrap_or(1.0);
             let truncate = match params.get("truncate") {
                 None | Some(Value::Null) => true,
                 Some(Value::Bool(b)) => *b,
@@ -364,7 +390,8 @@ fn resolve_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<Rope, S
             };
             let dim = head_dim as f64;
             let correction_dim = |rotations: f64| {
-                dim * (original / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
+                dim * (original / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                    / (2.0 * theta.ln())
             };
             let (mut low, mut high) = (correction_dim(beta_fast), correction_dim(beta_slow));
             if truncate {
@@ -380,7 +407,11 @@ fn resolve_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<Rope, S
                 attention_factor,
             }
         }
-        other => return Err(format!("rope_type {other:?} is not supported (yarn or default)")),
+        other => {
+            return Err(format!(
+                "rope_type {other:?} is not supported (yarn or default)"
+            ));
+        }
     };
     Ok(Rope { theta, kind })
 }
@@ -397,7 +428,10 @@ mod tests {
     fn real_20b_and_120b_configs_resolve() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/configs");
         let c20 = Config::load_file(&dir.join("gpt-oss-20b.config.json")).unwrap();
-        assert_eq!((c20.num_layers, c20.num_experts, c20.head_dim, c20.q_dim()), (24, 32, 64, 4096));
+        assert_eq!(
+            (c20.num_layers, c20.num_experts, c20.head_dim, c20.q_dim()),
+            (24, 32, 64, 4096)
+        );
         assert_eq!(c20.experts_per_token, 4);
         assert_eq!(c20.eos_token_ids, vec![200002]);
         assert_eq!(c20.layer_types[0], LayerType::Sliding);
@@ -424,15 +458,20 @@ mod tests {
 
     #[test]
     fn defaults_follow_transformers() {
-        let c = parse(r#"{"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3,
+        let c = parse(
+            r#"{"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 3,
             "num_local_experts": 4, "num_experts_per_tok": 2, "vocab_size": 10,
             "intermediate_size": 32, "rope_theta": 10000, "head_dim": null,
-            "num_key_value_heads": null}"#)
+            "num_key_value_heads": null}"#,
+        )
         .unwrap();
         assert_eq!(c.head_dim, 16);
         assert_eq!(c.num_kv_heads, 4);
         let absent = parse(r#"{"num_attention_heads": 16}"#).unwrap();
-        assert_eq!((absent.head_dim, absent.num_kv_heads, absent.sliding_window), (64, 8, Some(128)));
+        assert_eq!(
+            (absent.head_dim, absent.num_kv_heads, absent.sliding_window),
+            (64, 8, Some(128))
+        );
         assert_eq!(
             c.layer_types,
             vec![LayerType::Sliding, LayerType::Full, LayerType::Sliding]
@@ -445,9 +484,11 @@ mod tests {
 
     #[test]
     fn transformers5_rope_parameters_and_truncate_default() {
-        let c = parse(r#"{"head_dim": 64, "rope_parameters": {"rope_type": "yarn", "factor": 32.0,
+        let c = parse(
+            r#"{"head_dim": 64, "rope_parameters": {"rope_type": "yarn", "factor": 32.0,
             "beta_fast": 32.0, "beta_slow": 1.0, "original_max_position_embeddings": 4096,
-            "rope_theta": 150000}}"#)
+            "rope_theta": 150000}}"#,
+        )
         .unwrap();
         // truncate absent means true in transformers: floor/ceil of the correction range.
         match c.rope.kind {
@@ -461,8 +502,14 @@ mod tests {
         let cases = [
             ("{", "EOF"),
             (r#"{"hidden_size": "big"}"#, "hidden_size"),
-            (r#"{"num_attention_heads": 6, "num_key_value_heads": 4}"#, "multiple"),
-            (r#"{"num_hidden_layers": 2, "layer_types": ["full_attention"]}"#, "layer_types"),
+            (
+                r#"{"num_attention_heads": 6, "num_key_value_heads": 4}"#,
+                "multiple",
+            ),
+            (
+                r#"{"num_hidden_layers": 2, "layer_types": ["full_attention"]}"#,
+                "layer_types",
+            ),
             (r#"{"layer_types": ["global"]}"#, "global"),
             (r#"{"model_type": "llama"}"#, "llama"),
             (r#"{"rope_scaling": {"rope_type": "longrope"}}"#, "longrope"),

@@ -6,11 +6,10 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    #[error("{path}: {source}")]
+    #[error("{path}: {cause}")]
     Io {
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 
     #[error("{path}: invalid config: {msg}")]
@@ -41,7 +40,9 @@ pub enum Error {
         expected: Vec<usize>,
     },
 
-    #[error("token id {id} at prompt position {position} is out of range (vocab_size is {vocab_size})")]
+    #[error(
+        "token id {id} at prompt position {position} is out of range (vocab_size is {vocab_size})"
+    )]
     TokenOutOfRange {
         id: u32,
         position: usize,
@@ -51,7 +52,9 @@ pub enum Error {
     #[error("the prompt is empty: give at least one token id")]
     EmptyPrompt,
 
-    #[error("the prompt has {prompt_len} tokens, more than the context of {context} tokens (raise --context)")]
+    #[error(
+        "the prompt has {prompt_len} tokens, more than the context of {context} tokens (raise --context)"
+    )]
     PromptTooLong { prompt_len: usize, context: usize },
 
     #[error("invalid argument: {0}")]
@@ -62,10 +65,10 @@ pub enum Error {
 }
 
 impl Error {
-    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    pub(crate) fn io(path: impl Into<PathBuf>, cause: std::io::Error) -> Self {
         Error::Io {
             path: path.into(),
-            source,
+            cause,
         }
     }
 }

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::json;
 
@@ -12,7 +12,11 @@ use picchio::model::generate::{GenerateOptions, generate};
 use picchio::weights::{Checkpoint, tensor_format, tensor_role};
 
 #[derive(Parser)]
-#[command(name = "picchio", version, about = "Mixture-of-experts inference (GPT-OSS) on the hardware you have")]
+#[command(
+    name = "picchio",
+    version,
+    about = "Mixture-of-experts inference (GPT-OSS) on the hardware you have"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -89,7 +93,8 @@ fn run(cli: Cli) -> Result<()> {
             context,
             ignore_eos,
         } => {
-            let loaded = Model::load(&model).with_context(|| format!("loading {}", model.display()))?;
+            // Load errors name the file and tensor already.
+            let loaded = Model::load(&model)?;
             let context = context.unwrap_or(loaded.config.max_position_embeddings);
             if context == 0 {
                 bail!("--context must be at least 1");
@@ -109,14 +114,18 @@ fn run(cli: Cli) -> Result<()> {
             };
             let out = generate(&loaded, &ids, &options)?;
             if let Some(rate) = out.decode_tokens_per_s() {
-                log::info!("prefill {:.1} ms, decode {rate:.2} tokens/s", out.prefill_ms);
+                log::info!(
+                    "prefill {:.1} ms, decode {rate:.2} tokens/s",
+                    out.prefill_ms
+                );
             }
             if json {
                 let steps: Vec<_> = out
                     .steps
                     .iter()
                     .map(|s| {
-                        let top: Vec<_> = s.top.iter().map(|(id, logit)| json!([id, logit])).collect();
+                        let top: Vec<_> =
+                            s.top.iter().map(|(id, logit)| json!([id, logit])).collect();
                         json!({"id": s.id, "top": top, "margin": s.margin})
                     })
                     .collect();
@@ -142,7 +151,7 @@ fn run(cli: Cli) -> Result<()> {
 
 fn inspect(dir: &std::path::Path, json: bool) -> Result<()> {
     // Validate the whole model first: inspect reports on a checkpoint picchio can run.
-    let loaded = Model::load(dir).with_context(|| format!("loading {}", dir.display()))?;
+    let loaded = Model::load(dir)?;
     let ck: &Checkpoint = &loaded.checkpoint;
     let mut totals = [0usize; 5];
     let mut rows = Vec::new();
@@ -150,7 +159,14 @@ fn inspect(dir: &std::path::Path, json: bool) -> Result<()> {
         let bytes = t.range.len();
         let role = tensor_role(&t.name);
         totals[role as usize] += bytes;
-        rows.push((t.name.clone(), format!("{:?}", t.dtype), t.shape.clone(), bytes, tensor_format(&t.name, t.dtype), role));
+        rows.push((
+            t.name.clone(),
+            format!("{:?}", t.dtype),
+            t.shape.clone(),
+            bytes,
+            tensor_format(&t.name, t.dtype),
+            role,
+        ));
     }
     let [embedding, lm_head, dense, experts, unknown] = totals;
     if json {
@@ -172,20 +188,43 @@ fn inspect(dir: &std::path::Path, json: bool) -> Result<()> {
         return Ok(());
     }
     let name_width = rows.iter().map(|r| r.0.len()).max().unwrap_or(6).max(6);
-    println!("{:<name_width$}  {:<7}  {:<22}  {:>14}  format", "tensor", "dtype", "shape", "bytes");
+    println!(
+        "{:<name_width$}  {:<7}  {:<22}  {:>14}  format",
+        "tensor", "dtype", "shape", "bytes"
+    );
     for (name, dtype, shape, bytes, format, _) in &rows {
-        println!("{name:<name_width$}  {dtype:<7}  {:<22}  {bytes:>14}  {format}", format!("{shape:?}"));
+        println!(
+            "{name:<name_width$}  {dtype:<7}  {:<22}  {bytes:>14}  {format}",
+            format!("{shape:?}")
+        );
     }
     let cfg = &loaded.config;
     println!();
-    println!("tensors: {} in {} file(s)", rows.len(), ck.shard_paths().count());
-    println!("dense (attention, norms, routers, excluding embeddings/head): {}", human(dense));
-    println!("experts (mxfp4 blocks + scales + biases): {}", human(experts));
-    println!("embeddings: {}   lm_head: {}", human(embedding), human(lm_head));
+    println!(
+        "tensors: {} in {} file(s)",
+        rows.len(),
+        ck.shard_paths().count()
+    );
+    println!(
+        "dense (attention, norms, routers, excluding embeddings/head): {}",
+        human(dense)
+    );
+    println!(
+        "experts (mxfp4 blocks + scales + biases): {}",
+        human(experts)
+    );
+    println!(
+        "embeddings: {}   lm_head: {}",
+        human(embedding),
+        human(lm_head)
+    );
     if unknown > 0 {
         println!("other (not used by picchio): {}", human(unknown));
     }
-    println!("total: {}", human(embedding + lm_head + dense + experts + unknown));
+    println!(
+        "total: {}",
+        human(embedding + lm_head + dense + experts + unknown)
+    );
     println!(
         "config: {} layers, hidden {}, {} heads x {} (kv {}), {} experts top-{}, intermediate {}, vocab {}",
         cfg.num_layers,

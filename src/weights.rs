@@ -40,16 +40,33 @@ pub struct Checkpoint {
     tensors: BTreeMap<String, TensorEntry>,
 }
 
-/// Bytes of one tensor, kept alive by a handle on its file's mapping.
+/// Bytes of one tensor: a range of a mapped file (kept alive by the handle) or an owned buffer.
 #[derive(Clone)]
 pub struct TensorBytes {
-    map: Arc<Mmap>,
+    backing: Backing,
     range: Range<usize>,
+}
+
+#[derive(Clone)]
+enum Backing {
+    Mapped(Arc<Mmap>),
+    Owned(Arc<[u8]>),
 }
 
 impl TensorBytes {
     pub fn bytes(&self) -> &[u8] {
-        &self.map[self.range.clone()]
+        match &self.backing {
+            Backing::Mapped(map) => &map[self.range.clone()],
+            Backing::Owned(buffer) => &buffer[self.range.clone()],
+        }
+    }
+
+    /// Bytes held in memory rather than in a checkpoint file (tests, benches, converted data).
+    pub fn from_vec(bytes: Vec<u8>) -> TensorBytes {
+        TensorBytes {
+            range: 0..bytes.len(),
+            backing: Backing::Owned(bytes.into()),
+        }
     }
 }
 
@@ -181,7 +198,7 @@ impl Checkpoint {
 
     pub fn bytes_of(&self, entry: &TensorEntry) -> TensorBytes {
         TensorBytes {
-            map: self.shards[entry.shard].map.clone(),
+            backing: Backing::Mapped(self.shards[entry.shard].map.clone()),
             range: entry.range.clone(),
         }
     }
@@ -220,7 +237,9 @@ fn describe_header_error(e: safetensors::SafeTensorError, file_len: usize) -> St
             "the header's tensor data does not end where the file ends ({file_len} bytes): truncated or corrupt"
         ),
         E::InvalidHeaderLength | E::HeaderTooSmall => {
-            format!("the header length does not fit in the file ({file_len} bytes): truncated or not safetensors")
+            format!(
+                "the header length does not fit in the file ({file_len} bytes): truncated or not safetensors"
+            )
         }
         other => other.to_string(),
     }
@@ -244,7 +263,9 @@ fn read_index(path: &Path) -> Result<(Vec<String>, BTreeMap<String, String>)> {
             .as_str()
             .ok_or_else(|| fail(format!("weight_map entry for `{name}` is not a file name")))?;
         if file.contains('/') || file.contains('\\') || file.starts_with('.') {
-            return Err(fail(format!("shard name {file:?} is not a plain file name")));
+            return Err(fail(format!(
+                "shard name {file:?} is not a plain file name"
+            )));
         }
         files.insert(file.to_string());
         weight_map.insert(name.clone(), file.to_string());
@@ -430,7 +451,11 @@ impl ModelWeights {
         let experts = |prefix: &str, rows: usize, cols: usize| -> Result<Mxfp4Experts> {
             let groups = cols / 32;
             let u8s = [Dtype::U8, Dtype::F8_E8M0];
-            let blocks = ck.require(&format!("{prefix}_blocks"), &[Dtype::U8], &[e, rows, groups, 16])?;
+            let blocks = ck.require(
+                &format!("{prefix}_blocks"),
+                &[Dtype::U8],
+                &[e, rows, groups, 16],
+            )?;
             let scales = ck.require(&format!("{prefix}_scales"), &u8s, &[e, rows, groups])?;
             Ok(Mxfp4Experts {
                 experts: e,

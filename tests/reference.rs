@@ -31,8 +31,18 @@ fn greedy_tokens_match_transformers() {
     for dir in fixture_dirs() {
         let model = Model::load(&dir).unwrap();
         let reference = reference(&dir);
-        let out = generate(&model, &reference.prompt_ids, &options(reference.generated_ids.len())).unwrap();
-        assert_eq!(out.generated_ids, reference.generated_ids, "{}", dir.display());
+        let out = generate(
+            &model,
+            &reference.prompt_ids,
+            &options(reference.generated_ids.len()),
+        )
+        .unwrap();
+        assert_eq!(
+            out.generated_ids,
+            reference.generated_ids,
+            "{}",
+            dir.display()
+        );
     }
 }
 
@@ -43,18 +53,40 @@ fn top_logits_match_transformers_within_tolerance() {
         let reference = reference(&dir);
         // Teacher-forced on transformers' tokens, so every step is compared even after a flip.
         let mut cache = model.new_cache(4096);
-        let mut logits = model.forward(&mut cache, &reference.prompt_ids, None).unwrap();
+        let mut logits = model
+            .forward(&mut cache, &reference.prompt_ids, None)
+            .unwrap();
         let mut worst = 0f32;
-        for (step, (want, &id)) in reference.steps.iter().zip(&reference.generated_ids).enumerate() {
+        for (step, (want, &id)) in reference
+            .steps
+            .iter()
+            .zip(&reference.generated_ids)
+            .enumerate()
+        {
             let ids: Vec<usize> = want.top.iter().map(|(i, _)| *i as usize).collect();
             let got: Vec<f32> = ids.iter().map(|&i| logits[i]).collect();
             let expected: Vec<f32> = want.top.iter().map(|(_, v)| *v).collect();
-            let c = assert_close(&format!("{} step {step} top-10 logits", dir.display()), &got, &expected, LOGIT_ATOL, 0.0);
+            let c = assert_close(
+                &format!("{} step {step} top-10 logits", dir.display()),
+                &got,
+                &expected,
+                LOGIT_ATOL,
+                0.0,
+            );
             worst = worst.max(c.max_abs_error);
-            assert_eq!(argmax(&logits), id, "{} step {step} (margin {})", dir.display(), want.margin);
+            assert_eq!(
+                argmax(&logits),
+                id,
+                "{} step {step} (margin {})",
+                dir.display(),
+                want.margin
+            );
             logits = model.forward(&mut cache, &[id], None).unwrap();
         }
-        eprintln!("{}: max |logit error| vs transformers over 32 steps x top-10: {worst:e}", dir.display());
+        eprintln!(
+            "{}: max |logit error| vs transformers over 32 steps x top-10: {worst:e}",
+            dir.display()
+        );
     }
 }
 
@@ -65,11 +97,19 @@ fn layer_checkpoints_match_transformers() {
         let reference = reference(&dir);
         let mut cache = model.new_cache(4096);
         let mut trace = Vec::new();
-        model.forward(&mut cache, &reference.prompt_ids, Some(&mut trace)).unwrap();
+        model
+            .forward(&mut cache, &reference.prompt_ids, Some(&mut trace))
+            .unwrap();
         assert_eq!(trace.len(), reference.layers.len());
         for (l, (got, want)) in trace.iter().zip(&reference.layers).enumerate() {
             let what = |s: &str| format!("{} layer {l} {s}", dir.display());
-            assert_close(&what("after attention"), &got.after_attention, &want.after_attention, HIDDEN_ATOL, HIDDEN_RTOL);
+            assert_close(
+                &what("after attention"),
+                &got.after_attention,
+                &want.after_attention,
+                HIDDEN_ATOL,
+                HIDDEN_RTOL,
+            );
             let got_set: BTreeSet<usize> = got.routing.experts.iter().copied().collect();
             let want_set: BTreeSet<usize> = want.router_ids.iter().copied().collect();
             assert_eq!(got_set, want_set, "{}", what("router top-k"));
@@ -77,10 +117,24 @@ fn layer_checkpoints_match_transformers() {
             let got_weights: Vec<f32> = want
                 .router_ids
                 .iter()
-                .map(|e| got.routing.weights[got.routing.experts.iter().position(|x| x == e).unwrap()])
+                .map(|e| {
+                    got.routing.weights[got.routing.experts.iter().position(|x| x == e).unwrap()]
+                })
                 .collect();
-            assert_close(&what("router weights"), &got_weights, &want.router_weights, ROUTER_WEIGHT_ATOL, 0.0);
-            assert_close(&what("after MoE"), &got.after_moe, &want.after_moe, HIDDEN_ATOL, HIDDEN_RTOL);
+            assert_close(
+                &what("router weights"),
+                &got_weights,
+                &want.router_weights,
+                ROUTER_WEIGHT_ATOL,
+                0.0,
+            );
+            assert_close(
+                &what("after MoE"),
+                &got.after_moe,
+                &want.after_moe,
+                HIDDEN_ATOL,
+                HIDDEN_RTOL,
+            );
         }
     }
 }
@@ -112,7 +166,12 @@ fn batched_prefill_equals_one_token_at_a_time() {
         for block in [1, 5, 17] {
             let other = run_in_blocks(&model, &prompt, block, 12);
             // Same dot products in the same order: bit-identical, not merely close.
-            assert_eq!(batched, other, "{}: blocks of {block} differ from one batch", dir.display());
+            assert_eq!(
+                batched,
+                other,
+                "{}: blocks of {block} differ from one batch",
+                dir.display()
+            );
         }
     }
 }
@@ -129,14 +188,27 @@ fn layout_does_not_change_results() {
 
     // Sharded with HF's 1-based names and an index.
     let sharded = tempfile::tempdir().unwrap();
-    let names = ["model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"];
+    let names = [
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+        "model-00003-of-00003.safetensors",
+    ];
     write_checkpoint(sharded.path(), &src, &tensors, &names, true);
     // Shards with no index file.
     let unindexed = tempfile::tempdir().unwrap();
-    write_checkpoint(unindexed.path(), &src, &tensors, &["a.safetensors", "b.safetensors"], false);
+    write_checkpoint(
+        unindexed.path(),
+        &src,
+        &tensors,
+        &["a.safetensors", "b.safetensors"],
+        false,
+    );
     // Dense tensors widened to f32 (bf16 -> f32 is exact) and f16 sinks.
     let widened = rewritten_fixture(&src, |ts| {
-        for t in ts.iter_mut().filter(|t| t.dtype == safetensors::Dtype::BF16 && !t.name.ends_with("sinks")) {
+        for t in ts
+            .iter_mut()
+            .filter(|t| t.dtype == safetensors::Dtype::BF16 && !t.name.ends_with("sinks"))
+        {
             t.data = bf16_to_f32_bytes(&t.data);
             t.dtype = safetensors::Dtype::F32;
         }

@@ -2,7 +2,7 @@
 """Build tiny random GPT-OSS checkpoints in the real Hugging Face layout and dump what
 transformers computes on them, as the L2 reference for picchio's tests.
 
-    pip install torch transformers safetensors numpy
+    pip install torch transformers safetensors numpy accelerate
     python3 tools/make_fixtures.py --out fixtures
 
 Each fixture directory gets:

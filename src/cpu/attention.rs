@@ -77,27 +77,62 @@ mod tests {
     #[test]
     fn sink_takes_its_share_of_the_softmax() {
         // One head, one key: weight = e^s / (e^s + e^sink).
-        let layout = HeadLayout { num_heads: 1, num_kv_heads: 1, head_dim: 2 };
+        let layout = HeadLayout {
+            num_heads: 1,
+            num_kv_heads: 1,
+            head_dim: 2,
+        };
         let q = [1.0f32, 0.0];
         let k = [2.0f32, 0.0];
         let v = [3.0f32, -1.0];
         let mut out = [0f32; 2];
-        attend(layout, &q, 0..=0, |_| (&k[..], &v[..]), &[0.5], 1.0, &mut out);
+        attend(
+            layout,
+            &q,
+            0..=0,
+            |_| (&k[..], &v[..]),
+            &[0.5],
+            1.0,
+            &mut out,
+        );
         let w = (2.0f64.exp() / (2.0f64.exp() + 0.5f64.exp())) as f32;
-        assert!((out[0] - 3.0 * w).abs() < 1e-6 && (out[1] + w).abs() < 1e-6, "{out:?}");
+        assert!(
+            (out[0] - 3.0 * w).abs() < 1e-6 && (out[1] + w).abs() < 1e-6,
+            "{out:?}"
+        );
         // A very negative sink vanishes: plain softmax over keys.
-        attend(layout, &q, 0..=0, |_| (&k[..], &v[..]), &[-1e4], 1.0, &mut out);
+        attend(
+            layout,
+            &q,
+            0..=0,
+            |_| (&k[..], &v[..]),
+            &[-1e4],
+            1.0,
+            &mut out,
+        );
         assert_eq!(out, [3.0, -1.0]);
     }
 
     #[test]
     fn grouped_query_heads_read_their_kv_head() {
-        let layout = HeadLayout { num_heads: 4, num_kv_heads: 2, head_dim: 1 };
+        let layout = HeadLayout {
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 1,
+        };
         let q = [1.0f32; 4];
         let k = [0.0f32, 0.0];
         let v = [10.0f32, 20.0];
         let mut out = [0f32; 4];
-        attend(layout, &q, 0..=0, |_| (&k[..], &v[..]), &[-1e4; 4], 1.0, &mut out);
+        attend(
+            layout,
+            &q,
+            0..=0,
+            |_| (&k[..], &v[..]),
+            &[-1e4; 4],
+            1.0,
+            &mut out,
+        );
         assert_eq!(out, [10.0, 10.0, 20.0, 20.0]);
     }
 }

@@ -15,8 +15,14 @@ pub fn f16_to_f32(lo: u8, hi: u8) -> f32 {
 /// Decodes a little-endian float tensor into f32 (exact for every format).
 pub fn decode_floats(format: FloatFormat, bytes: &[u8]) -> Vec<f32> {
     match format {
-        FloatFormat::Bf16 => bytes.chunks_exact(2).map(|b| bf16_to_f32(b[0], b[1])).collect(),
-        FloatFormat::F16 => bytes.chunks_exact(2).map(|b| f16_to_f32(b[0], b[1])).collect(),
+        FloatFormat::Bf16 => bytes
+            .chunks_exact(2)
+            .map(|b| bf16_to_f32(b[0], b[1]))
+            .collect(),
+        FloatFormat::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| f16_to_f32(b[0], b[1]))
+            .collect(),
         FloatFormat::F32 => bytes
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
@@ -57,7 +63,9 @@ mod tests {
     #[test]
     fn mxfp4_nibble_order_and_negative_zero() {
         // byte 0x8F: low nibble 15 (-6) comes first, high nibble 8 (-0) second.
-        let blocks: Vec<u8> = std::iter::once(0x8F).chain(std::iter::repeat_n(0x21, 15)).collect();
+        let blocks: Vec<u8> = std::iter::once(0x8F)
+            .chain(std::iter::repeat_n(0x21, 15))
+            .collect();
         let mut out = [f32::NAN; 32];
         dequantize_mxfp4_row(&blocks, &[128], &mut out);
         assert_eq!(out[0], -12.0);

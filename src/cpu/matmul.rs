@@ -29,8 +29,8 @@ pub fn dot_dense(format: FloatFormat, row: &[u8], x: &[f32]) -> f32 {
         }
     }
     let mut sum = reduce(acc);
-    for k in chunks * LANES..x.len() {
-        sum += decode_at(format, row, k) * x[k];
+    for (k, xk) in x.iter().enumerate().skip(chunks * LANES) {
+        sum += decode_at(format, row, k) * xk;
     }
     sum
 }
@@ -78,7 +78,11 @@ fn rows_times_tokens(
     dot: impl Fn(usize, &[f32]) -> f32 + Sync,
 ) {
     let tokens = xs.len() / cols;
-    assert_eq!(xs.len(), tokens * cols, "input is not a whole number of rows");
+    assert_eq!(
+        xs.len(),
+        tokens * cols,
+        "input is not a whole number of rows"
+    );
     assert_eq!(out.len(), tokens * rows, "output has the wrong size");
     if let Some(b) = bias {
         assert_eq!(b.len(), rows, "bias has the wrong size");
@@ -94,11 +98,14 @@ fn rows_times_tokens(
     }
     // Each row's weights are read once for all tokens.
     let mut by_row = vec![0f32; rows * tokens];
-    by_row.par_chunks_mut(tokens).enumerate().for_each(|(r, ys)| {
-        for (t, y) in ys.iter_mut().enumerate() {
-            *y = value(r, &xs[t * cols..(t + 1) * cols]);
-        }
-    });
+    by_row
+        .par_chunks_mut(tokens)
+        .enumerate()
+        .for_each(|(r, ys)| {
+            for (t, y) in ys.iter_mut().enumerate() {
+                *y = value(r, &xs[t * cols..(t + 1) * cols]);
+            }
+        });
     for r in 0..rows {
         for t in 0..tokens {
             out[t * rows + r] = by_row[r * tokens + t];
@@ -108,11 +115,19 @@ fn rows_times_tokens(
 
 /// Dense linear layer over one or more tokens.
 pub fn dense_matmul(m: &DenseMatrix, xs: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
-    rows_times_tokens(m.rows, m.cols, xs, bias, out, |r, x| dot_dense(m.format, m.row(r), x));
+    rows_times_tokens(m.rows, m.cols, xs, bias, out, |r, x| {
+        dot_dense(m.format, m.row(r), x)
+    });
 }
 
 /// One expert's MXFP4 linear layer over one or more tokens.
-pub fn mxfp4_matmul(w: &Mxfp4Experts, expert: usize, xs: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
+pub fn mxfp4_matmul(
+    w: &Mxfp4Experts,
+    expert: usize,
+    xs: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) {
     rows_times_tokens(w.rows, w.cols, xs, bias, out, |r, x| {
         let (blocks, scales) = w.row(expert, r);
         dot_mxfp4(blocks, scales, x)
@@ -133,7 +148,10 @@ mod tests {
         dequantize_mxfp4_row(&blocks, &scales, &mut w);
         let exact: f64 = w.iter().zip(&x).map(|(a, b)| *a as f64 * *b as f64).sum();
         let got = dot_mxfp4(&blocks, &scales, &x) as f64;
-        assert!((got - exact).abs() <= 1e-5 * exact.abs().max(1.0), "{got} vs {exact}");
+        assert!(
+            (got - exact).abs() <= 1e-5 * exact.abs().max(1.0),
+            "{got} vs {exact}"
+        );
     }
 
     #[test]
@@ -141,10 +159,20 @@ mod tests {
         let x: Vec<f32> = (0..13).map(|i| i as f32 * 0.25 - 1.0).collect();
         let w: Vec<f32> = (0..13).map(|i| 1.0 - i as f32 * 0.125).collect();
         let exact: f32 = w.iter().zip(&x).map(|(a, b)| a * b).sum();
-        let bf: Vec<u8> = w.iter().flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()).collect();
-        let f16: Vec<u8> = w.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
+        let bf: Vec<u8> = w
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect();
+        let f16: Vec<u8> = w
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+            .collect();
         let f32s: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
-        for (format, bytes) in [(FloatFormat::Bf16, bf), (FloatFormat::F16, f16), (FloatFormat::F32, f32s)] {
+        for (format, bytes) in [
+            (FloatFormat::Bf16, bf),
+            (FloatFormat::F16, f16),
+            (FloatFormat::F32, f32s),
+        ] {
             let got = dot_dense(format, &bytes, &x);
             assert!((got - exact).abs() < 1e-5, "{format:?}: {got} vs {exact}");
         }

@@ -27,7 +27,11 @@ mod tests {
         let rms = ((1.0 + 4.0 + 9.0 + 16.0) / 4.0 + 1e-5f64).sqrt();
         for k in 0..4 {
             let want = w[k] as f64 * x[k] as f64 / rms;
-            assert!((out[k] as f64 - want).abs() < 1e-6, "{k}: {} vs {want}", out[k]);
+            assert!(
+                (out[k] as f64 - want).abs() < 1e-6,
+                "{k}: {} vs {want}",
+                out[k]
+            );
         }
     }
 

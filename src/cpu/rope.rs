@@ -40,7 +40,8 @@ impl RopeTable {
                         let interpolation = 1.0 / (factor as f32 * p);
                         let ramp = ((i as f32 - low as f32) / span).clamp(0.0, 1.0);
                         let extrapolation_factor = 1.0 - ramp;
-                        interpolation * (1.0 - extrapolation_factor) + extrapolation * extrapolation_factor
+                        interpolation * (1.0 - extrapolation_factor)
+                            + extrapolation * extrapolation_factor
                     })
                     .collect();
                 (inv, attention_factor as f32)
@@ -96,29 +97,62 @@ mod tests {
     use super::*;
     use std::path::Path;
 
+    #[allow(clippy::excessive_precision)]
     /// Values from transformers' `_compute_yarn_parameters` for the real 20B config (SEMANTICS.md).
     const INV_FREQ_D64: [f32; 32] = [
-        1.0, 6.890443e-1, 4.747821e-1, 3.271459e-1, 2.254180e-1, 1.553230e-1, 1.070244e-1,
-        7.374457e-2, 5.081327e-2, 3.170570e-2, 1.933500e-2, 1.159205e-2, 6.794959e-3, 3.860359e-3,
-        2.093792e-3, 1.052602e-3, 4.564839e-4, 1.293187e-4, 3.830881e-5, 2.639647e-5, 1.818834e-5,
-        1.253257e-5, 8.635496e-6, 5.950239e-6, 4.099978e-6, 2.825067e-6, 1.946596e-6, 1.341291e-6,
-        9.242090e-7, 6.368209e-7, 4.387978e-7, 3.023511e-7,
+        1.0,
+        6.890443e-1,
+        4.747821e-1,
+        3.271459e-1,
+        2.254180e-1,
+        1.553230e-1,
+        1.070244e-1,
+        7.374457e-2,
+        5.081327e-2,
+        3.170570e-2,
+        1.933500e-2,
+        1.159205e-2,
+        6.794959e-3,
+        3.860359e-3,
+        2.093792e-3,
+        1.052602e-3,
+        4.564839e-4,
+        1.293187e-4,
+        3.830881e-5,
+        2.639647e-5,
+        1.818834e-5,
+        1.253257e-5,
+        8.635496e-6,
+        5.950239e-6,
+        4.099978e-6,
+        2.825067e-6,
+        1.946596e-6,
+        1.341291e-6,
+        9.242090e-7,
+        6.368209e-7,
+        4.387978e-7,
+        3.023511e-7,
     ];
 
     #[test]
     fn yarn_inv_freq_of_the_real_config() {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/configs/gpt-oss-20b.config.json");
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/configs/gpt-oss-20b.config.json");
         let cfg = Config::load_file(&path).unwrap();
         let rope = RopeTable::new(&cfg);
         for (i, (got, want)) in rope.inv_freq().iter().zip(INV_FREQ_D64).enumerate() {
-            assert!((got - want).abs() <= 2e-6 * want, "inv_freq[{i}]: {got} vs {want}");
+            assert!(
+                (got - want).abs() <= 2e-6 * want,
+                "inv_freq[{i}]: {got} vs {want}"
+            );
         }
         assert!((rope.attention_factor() - 1.3465736).abs() < 1e-6);
     }
 
     #[test]
     fn rotation_at_position_zero_only_scales() {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/configs/gpt-oss-20b.config.json");
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/configs/gpt-oss-20b.config.json");
         let rope = RopeTable::new(&Config::load_file(&path).unwrap());
         let (cos, sin) = rope.cos_sin(0);
         let mut x: Vec<f32> = (0..64).map(|i| i as f32).collect();

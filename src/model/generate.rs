@@ -58,7 +58,11 @@ pub fn validate_prompt(model: &Model, prompt: &[u32], context: usize) -> Result<
         return Err(Error::EmptyPrompt);
     }
     let vocab_size = model.config.vocab_size;
-    if let Some((position, &id)) = prompt.iter().enumerate().find(|(_, id)| **id as usize >= vocab_size) {
+    if let Some((position, &id)) = prompt
+        .iter()
+        .enumerate()
+        .find(|(_, id)| **id as usize >= vocab_size)
+    {
         return Err(Error::TokenOutOfRange {
             id,
             position,

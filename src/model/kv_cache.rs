@@ -87,6 +87,9 @@ impl KvCache {
 
     /// Bytes held by the cache now.
     pub fn bytes(&self) -> usize {
-        self.layers.iter().map(|c| (c.keys.len() + c.values.len()) * 4).sum()
+        self.layers
+            .iter()
+            .map(|c| (c.keys.len() + c.values.len()) * 4)
+            .sum()
     }
 }

@@ -108,7 +108,12 @@ impl Model {
             add_into(&mut hidden, &attention);
             let after_attention = trace.is_some().then(|| hidden[..h].to_vec());
 
-            rms_norm(&hidden, &layer.post_attention_norm, cfg.rms_norm_eps, &mut normed);
+            rms_norm(
+                &hidden,
+                &layer.post_attention_norm,
+                cfg.rms_norm_eps,
+                &mut normed,
+            );
             let (moe, routings) = self.moe(layer, &normed);
             add_into(&mut hidden, &moe);
             if let (Some(trace), Some(after_attention)) = (trace.as_deref_mut(), after_attention) {
@@ -123,7 +128,12 @@ impl Model {
 
         let last = &hidden[(n - 1) * h..];
         let mut final_hidden = vec![0f32; h];
-        rms_norm(last, &self.weights.final_norm, cfg.rms_norm_eps, &mut final_hidden);
+        rms_norm(
+            last,
+            &self.weights.final_norm,
+            cfg.rms_norm_eps,
+            &mut final_hidden,
+        );
         let mut logits = vec![0f32; cfg.vocab_size];
         dense_matmul(&self.weights.lm_head, &final_hidden, None, &mut logits);
         Ok(logits)
@@ -176,7 +186,15 @@ impl Model {
             out.par_chunks_mut(qd).enumerate().for_each(|(t, o)| {
                 let position = start + t;
                 let keys = first_visible_key(position, window)..=position;
-                attend(layout, &q[t * qd..(t + 1) * qd], keys, kv, &layer.sinks, scaling, o);
+                attend(
+                    layout,
+                    &q[t * qd..(t + 1) * qd],
+                    keys,
+                    kv,
+                    &layer.sinks,
+                    scaling,
+                    o,
+                );
             });
         }
         cache.store(l, &k, &v);
@@ -214,7 +232,10 @@ impl Model {
                 continue;
             }
             let m = users.len();
-            let xs: Vec<f32> = users.iter().flat_map(|&(t, _)| x[t * h..(t + 1) * h].to_vec()).collect();
+            let xs: Vec<f32> = users
+                .iter()
+                .flat_map(|&(t, _)| x[t * h..(t + 1) * h].to_vec())
+                .collect();
             let mut gate_up = vec![0f32; m * 2 * i];
             let gate_up_bias = &layer.gate_up_bias[e * 2 * i..(e + 1) * 2 * i];
             mxfp4_matmul(&layer.gate_up, e, &xs, Some(gate_up_bias), &mut gate_up);
@@ -224,7 +245,10 @@ impl Model {
             let down_bias = &layer.down_bias[e * h..(e + 1) * h];
             mxfp4_matmul(&layer.down, e, &activated, Some(down_bias), &mut down);
             for (u, &(t, w)) in users.iter().enumerate() {
-                for (o, d) in out[t * h..(t + 1) * h].iter_mut().zip(&down[u * h..(u + 1) * h]) {
+                for (o, d) in out[t * h..(t + 1) * h]
+                    .iter_mut()
+                    .zip(&down[u * h..(u + 1) * h])
+                {
                     *o += d * w;
                 }
             }

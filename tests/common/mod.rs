@@ -20,7 +20,10 @@ pub fn fixture_dirs() -> Vec<PathBuf> {
         .filter(|p| p.join("reference.json").is_file())
         .collect();
     dirs.sort();
-    assert!(dirs.len() >= 3, "expected at least 3 fixtures, found {dirs:?}");
+    assert!(
+        dirs.len() >= 3,
+        "expected at least 3 fixtures, found {dirs:?}"
+    );
     dirs
 }
 
@@ -60,6 +63,7 @@ pub struct Comparison {
     pub worst_index: usize,
 }
 
+#[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN error must count as a failure
 pub fn compare(got: &[f32], want: &[f32], atol: f32, rtol: f32) -> Comparison {
     assert_eq!(got.len(), want.len(), "length mismatch");
     let mut c = Comparison {
@@ -84,7 +88,8 @@ pub fn compare(got: &[f32], want: &[f32], atol: f32, rtol: f32) -> Comparison {
 pub fn assert_close(what: &str, got: &[f32], want: &[f32], atol: f32, rtol: f32) -> Comparison {
     let c = compare(got, want, atol, rtol);
     assert_eq!(
-        c.failures, 0,
+        c.failures,
+        0,
         "{what}: {} of {} values outside atol {atol} + rtol {rtol}; max |error| {} at index {} (got {}, want {})",
         c.failures,
         got.len(),
@@ -130,14 +135,25 @@ pub fn read_tensors(dir: &Path) -> Vec<Tensor> {
 fn serialize(tensors: &[Tensor]) -> Vec<u8> {
     let views: Vec<(String, TensorView)> = tensors
         .iter()
-        .map(|t| (t.name.clone(), TensorView::new(t.dtype, t.shape.clone(), &t.data).unwrap()))
+        .map(|t| {
+            (
+                t.name.clone(),
+                TensorView::new(t.dtype, t.shape.clone(), &t.data).unwrap(),
+            )
+        })
         .collect();
     safetensors::serialize(views, None).unwrap()
 }
 
 /// Writes `tensors` into `dir` as `file_names.len()` shards (round-robin), with an index when
 /// `with_index`; copies `config.json` from `config_from`.
-pub fn write_checkpoint(dir: &Path, config_from: &Path, tensors: &[Tensor], file_names: &[&str], with_index: bool) {
+pub fn write_checkpoint(
+    dir: &Path,
+    config_from: &Path,
+    tensors: &[Tensor],
+    file_names: &[&str],
+    with_index: bool,
+) {
     std::fs::create_dir_all(dir).unwrap();
     std::fs::copy(config_from.join("config.json"), dir.join("config.json")).unwrap();
     let mut weight_map = serde_json::Map::new();

@@ -1,0 +1,255 @@
+//! Bad input is rejected with a message naming the problem and a non-zero exit, never a panic.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::*;
+use safetensors::Dtype;
+
+/// Runs `picchio args...`; returns (success, stdout, stderr).
+fn picchio(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_picchio"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `generate` on `dir` must fail cleanly with every `needles` in its message.
+fn rejects(dir: &Path, ids: &str, extra: &[&str], needles: &[&str]) {
+    let dir = dir.to_str().unwrap();
+    let mut args = vec![
+        "generate",
+        "--model",
+        dir,
+        "--ids",
+        ids,
+        "--max-new-tokens",
+        "2",
+    ];
+    args.extend_from_slice(extra);
+    let (ok, stdout, stderr) = picchio(&args);
+    assert!(!ok, "expected failure for {args:?}, got stdout {stdout}");
+    assert!(!stderr.contains("panicked"), "panic for {args:?}: {stderr}");
+    assert!(stdout.is_empty(), "nothing on stdout on failure: {stdout}");
+    for needle in needles {
+        assert!(
+            stderr.contains(needle),
+            "{args:?}: expected {needle:?} in: {stderr}"
+        );
+    }
+}
+
+fn copy_fixture(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixtures_dir().join(name)).unwrap() {
+        let path = entry.unwrap().path();
+        std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
+    }
+    dir
+}
+
+#[test]
+fn missing_model_directory() {
+    rejects(
+        Path::new("/nonexistent/model"),
+        "1,2",
+        &[],
+        &["/nonexistent/model", "not found"],
+    );
+}
+
+#[test]
+fn unparsable_config() {
+    let dir = copy_fixture("tiny-single");
+    std::fs::write(dir.path().join("config.json"), "{\"hidden_size\": 64,").unwrap();
+    rejects(dir.path(), "1,2", &[], &["config.json", "invalid config"]);
+    std::fs::remove_file(dir.path().join("config.json")).unwrap();
+    rejects(dir.path(), "1,2", &[], &["config.json"]);
+}
+
+#[test]
+fn garbage_safetensors() {
+    let dir = copy_fixture("tiny-single");
+    std::fs::write(
+        dir.path().join("model.safetensors"),
+        b"this is not a checkpoint at all",
+    )
+    .unwrap();
+    rejects(
+        dir.path(),
+        "1,2",
+        &[],
+        &["model.safetensors", "not a valid safetensors file"],
+    );
+}
+
+#[test]
+fn truncated_safetensors() {
+    let dir = copy_fixture("tiny-sharded");
+    let shard = dir.path().join("model-00001-of-00002.safetensors");
+    let bytes = std::fs::read(&shard).unwrap();
+    std::fs::write(&shard, &bytes[..bytes.len() - 1000]).unwrap();
+    rejects(
+        dir.path(),
+        "1,2",
+        &[],
+        &["model-00001-of-00002.safetensors", "truncated"],
+    );
+    // Cut inside the header as well.
+    std::fs::write(&shard, &bytes[..100]).unwrap();
+    rejects(
+        dir.path(),
+        "1,2",
+        &[],
+        &["model-00001-of-00002.safetensors", "truncated"],
+    );
+}
+
+#[test]
+fn missing_shard_named_by_the_index() {
+    let dir = copy_fixture("tiny-sharded");
+    std::fs::remove_file(dir.path().join("model-00002-of-00002.safetensors")).unwrap();
+    rejects(
+        dir.path(),
+        "1,2",
+        &[],
+        &["model-00002-of-00002.safetensors"],
+    );
+}
+
+#[test]
+fn missing_mandatory_tensors_are_named() {
+    for name in [
+        "model.layers.1.self_attn.sinks",
+        "model.layers.0.mlp.experts.down_proj_bias",
+        "model.layers.0.mlp.experts.gate_up_proj_scales",
+        "lm_head.weight",
+    ] {
+        let dir = rewritten_fixture(&fixtures_dir().join("tiny-single"), |ts| {
+            ts.retain(|t| t.name != name)
+        });
+        rejects(dir.path(), "1,2", &[], &[name, "missing"]);
+    }
+}
+
+#[test]
+fn shape_disagreeing_with_config_is_named() {
+    let name = "model.layers.0.self_attn.sinks";
+    let dir = rewritten_fixture(&fixtures_dir().join("tiny-single"), |ts| {
+        let t = ts.iter_mut().find(|t| t.name == name).unwrap();
+        t.shape = vec![t.shape[0] + 1];
+        t.data.extend_from_slice(&[0, 0]);
+    });
+    rejects(dir.path(), "1,2", &[], &[name, "shape [5]", "[4]"]);
+
+    // A config that disagrees with every tensor: the first checked one is named.
+    let dir = copy_fixture("tiny-single");
+    let path = dir.path().join("config.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap()
+        .replace("\"intermediate_size\": 64", "\"intermediate_size\": 96");
+    std::fs::write(&path, text).unwrap();
+    rejects(dir.path(), "1,2", &[], &["gate_up_proj_blocks", "shape"]);
+}
+
+#[test]
+fn wrong_dtype_is_named() {
+    let name = "model.norm.weight";
+    let dir = rewritten_fixture(&fixtures_dir().join("tiny-single"), |ts| {
+        ts.iter_mut().find(|t| t.name == name).unwrap().dtype = Dtype::I16;
+    });
+    rejects(dir.path(), "1,2", &[], &[name, "dtype I16"]);
+}
+
+#[test]
+fn token_id_out_of_vocabulary() {
+    let dir = fixtures_dir().join("tiny-single");
+    rejects(
+        &dir,
+        "1,256,3",
+        &[],
+        &["token id 256", "position 1", "vocab_size is 256"],
+    );
+}
+
+#[test]
+fn prompt_longer_than_context() {
+    let dir = fixtures_dir().join("tiny-single");
+    rejects(
+        &dir,
+        "1,2,3,4,5",
+        &["--context", "4"],
+        &["5 tokens", "context of 4"],
+    );
+}
+
+#[test]
+fn malformed_ids_are_rejected_by_the_parser() {
+    let dir = fixtures_dir().join("tiny-single");
+    rejects(&dir, "1,x,3", &[], &["invalid value"]);
+    rejects(&dir, "-1", &[], &["unexpected argument"]);
+}
+
+#[test]
+fn good_input_still_works_through_the_cli() {
+    let dir = fixtures_dir().join("tiny-long");
+    let reference = reference(&dir);
+    let ids: Vec<String> = reference.prompt_ids.iter().map(u32::to_string).collect();
+    let ids = ids.join(",");
+    let d = dir.to_str().unwrap();
+    let (ok, stdout, stderr) = picchio(&[
+        "generate",
+        "--model",
+        d,
+        "--ids",
+        &ids,
+        "--max-new-tokens",
+        "32",
+        "--ignore-eos",
+    ]);
+    assert!(ok, "{stderr}");
+    let want: Vec<String> = reference.generated_ids.iter().map(u32::to_string).collect();
+    assert_eq!(stdout.trim(), want.join(" "));
+
+    let (ok, stdout, stderr) = picchio(&[
+        "generate",
+        "--model",
+        d,
+        "--ids",
+        &ids,
+        "--max-new-tokens",
+        "32",
+        "--ignore-eos",
+        "--json",
+        "--top-logits",
+        "10",
+    ]);
+    assert!(ok, "{stderr}");
+    let v: serde_json::Value =
+        serde_json::from_str(stdout.trim()).expect("exactly one JSON object on stdout");
+    assert_eq!(v["backend"], "cpu");
+    assert_eq!(
+        v["prompt_ids"].as_array().unwrap().len(),
+        reference.prompt_ids.len()
+    );
+    let generated: Vec<u32> = serde_json::from_value(v["generated_ids"].clone()).unwrap();
+    assert_eq!(generated, reference.generated_ids);
+    let steps = v["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 32);
+    assert_eq!(steps[0]["id"], reference.generated_ids[0]);
+    assert_eq!(steps[0]["top"].as_array().unwrap().len(), 10);
+    assert!(v["prefill_ms"].as_f64().unwrap() >= 0.0);
+    assert!(v["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
+
+    let (ok, stdout, stderr) = picchio(&["inspect", "--model", d]);
+    assert!(ok, "{stderr}");
+    assert!(stdout.contains("model.layers.3.mlp.experts.down_proj_blocks"));
+    assert!(stdout.contains("experts (mxfp4"));
+}
