@@ -28,6 +28,16 @@ pub enum TokenIds {
     Many(Vec<u32>),
 }
 
+impl TokenIds {
+    fn flatten(ids: Option<TokenIds>) -> Vec<u32> {
+        match ids {
+            None => Vec::new(),
+            Some(TokenIds::One(id)) => vec![id],
+            Some(TokenIds::Many(ids)) => ids,
+        }
+    }
+}
+
 /// The raw `config.json`, with transformers' defaults for absent keys.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(default)]
@@ -145,8 +155,31 @@ pub struct Config {
 
 impl Config {
     /// Reads `DIR/config.json`.
+    /// Reads `DIR/config.json`, and the stop tokens of `DIR/generation_config.json` when present
+    /// (the published GPT-OSS checkpoints list `<|return|>`, `<|call|>` and `<|endoftext|>` there).
     pub fn load(model_dir: &Path) -> Result<Config> {
-        Config::load_file(&model_dir.join("config.json"))
+        let mut config = Config::load_file(&model_dir.join("config.json"))?;
+        let generation = model_dir.join("generation_config.json");
+        if generation.is_file() {
+            #[derive(Deserialize)]
+            struct GenerationConfig {
+                #[serde(default)]
+                eos_token_id: Option<TokenIds>,
+            }
+            let text =
+                std::fs::read_to_string(&generation).map_err(|e| Error::io(&generation, e))?;
+            let parsed: GenerationConfig =
+                serde_json::from_str(&text).map_err(|e| Error::Config {
+                    path: generation.clone(),
+                    msg: e.to_string(),
+                })?;
+            for id in TokenIds::flatten(parsed.eos_token_id) {
+                if !config.eos_token_ids.contains(&id) {
+                    config.eos_token_ids.push(id);
+                }
+            }
+        }
+        Ok(config)
     }
 
     /// Reads a config file by its path (tests, tools).
@@ -247,11 +280,7 @@ impl Config {
                 .collect(),
         };
         let rope = resolve_rope(&raw, head_dim)?;
-        let eos_token_ids = match &raw.eos_token_id {
-            None => Vec::new(),
-            Some(TokenIds::One(id)) => vec![*id],
-            Some(TokenIds::Many(ids)) => ids.clone(),
-        };
+        let eos_token_ids = TokenIds::flatten(raw.eos_token_id.clone());
         let quant_method = raw
             .quantization_config
             .as_ref()

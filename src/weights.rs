@@ -342,6 +342,51 @@ impl Mxfp4Experts {
     }
 }
 
+/// Unquantized experts in transformers' orientation, `[E, in, out]` (`x @ W`): what
+/// `save_pretrained` writes for a GPT-OSS model that was never quantized or was dequantized.
+#[derive(Debug, Clone)]
+pub struct DenseExperts {
+    pub experts: usize,
+    pub inputs: usize,
+    pub outputs: usize,
+    pub format: FloatFormat,
+    pub data: TensorBytes,
+}
+
+impl DenseExperts {
+    /// The `outputs` weights that input `i` of expert `e` feeds.
+    pub fn input_row(&self, e: usize, i: usize) -> &[u8] {
+        let width = self.outputs * self.format.size();
+        let row = e * self.inputs + i;
+        &self.data.bytes()[row * width..(row + 1) * width]
+    }
+}
+
+/// One projection of all experts of a layer, as the checkpoint stores it.
+#[derive(Debug, Clone)]
+pub enum ExpertMatrices {
+    Mxfp4(Mxfp4Experts),
+    Dense(DenseExperts),
+}
+
+impl ExpertMatrices {
+    /// Output size of one expert's projection.
+    pub fn outputs(&self) -> usize {
+        match self {
+            ExpertMatrices::Mxfp4(m) => m.rows,
+            ExpertMatrices::Dense(d) => d.outputs,
+        }
+    }
+
+    /// Input size of one expert's projection.
+    pub fn inputs(&self) -> usize {
+        match self {
+            ExpertMatrices::Mxfp4(m) => m.cols,
+            ExpertMatrices::Dense(d) => d.inputs,
+        }
+    }
+}
+
 /// Weights of one decoder layer.
 #[derive(Debug, Clone)]
 pub struct LayerWeights {
@@ -358,12 +403,12 @@ pub struct LayerWeights {
     pub sinks: Vec<f32>,
     pub router: DenseMatrix,
     pub router_bias: Vec<f32>,
-    /// `[E, 2I, H]`, rows interleaved: even = gate unit, odd = up unit.
-    pub gate_up: Mxfp4Experts,
+    /// `E x [2I, H]`, rows interleaved: even = gate unit, odd = up unit.
+    pub gate_up: ExpertMatrices,
     /// `[E, 2I]`
     pub gate_up_bias: Vec<f32>,
-    /// `[E, H, I]`
-    pub down: Mxfp4Experts,
+    /// `E x [H, I]`
+    pub down: ExpertMatrices,
     /// `[E, H]`
     pub down_bias: Vec<f32>,
 }
@@ -402,9 +447,9 @@ pub fn tensor_role(name: &str) -> TensorRole {
 
 /// A short description of a tensor's storage format.
 pub fn tensor_format(name: &str, dtype: Dtype) -> String {
-    if name.ends_with("_blocks") {
+    if name.ends_with("_proj_blocks") {
         "mxfp4 blocks (2 x e2m1 per byte)".into()
-    } else if name.ends_with("_scales") {
+    } else if name.ends_with("_proj_scales") {
         "mxfp4 scales (e8m0)".into()
     } else {
         format!("{dtype:?}").to_lowercase()
@@ -424,14 +469,6 @@ impl ModelWeights {
                 "quantization_config.quant_method {method:?} (picchio reads mxfp4 experts)"
             )));
         }
-        for (what, n) in [("hidden_size", h), ("intermediate_size", i)] {
-            if n % 32 != 0 {
-                return Err(Error::Unsupported(format!(
-                    "{what} = {n} is not a multiple of 32, which MXFP4 experts need"
-                )));
-            }
-        }
-
         let dense = |name: &str, rows: usize, cols: usize| -> Result<DenseMatrix> {
             let entry = ck.require(name, &FloatFormat::DTYPES, &[rows, cols])?;
             Ok(DenseMatrix {
@@ -448,22 +485,35 @@ impl ModelWeights {
                 ck.bytes_of(entry).bytes(),
             ))
         };
-        let experts = |prefix: &str, rows: usize, cols: usize| -> Result<Mxfp4Experts> {
+        // MXFP4 as published (`*_blocks`/`*_scales`), or unquantized `[E, in, out]` tensors.
+        let experts = |prefix: &str, rows: usize, cols: usize| -> Result<ExpertMatrices> {
+            let blocks_name = format!("{prefix}_blocks");
+            if ck.get(&blocks_name).is_none() && ck.get(prefix).is_some() {
+                let entry = ck.require(prefix, &FloatFormat::DTYPES, &[e, cols, rows])?;
+                return Ok(ExpertMatrices::Dense(DenseExperts {
+                    experts: e,
+                    inputs: cols,
+                    outputs: rows,
+                    format: FloatFormat::of(entry.dtype),
+                    data: ck.bytes_of(entry),
+                }));
+            }
+            if cols % 32 != 0 {
+                return Err(Error::Unsupported(format!(
+                    "{prefix}: input size {cols} is not a multiple of 32, which MXFP4 experts need"
+                )));
+            }
             let groups = cols / 32;
             let u8s = [Dtype::U8, Dtype::F8_E8M0];
-            let blocks = ck.require(
-                &format!("{prefix}_blocks"),
-                &[Dtype::U8],
-                &[e, rows, groups, 16],
-            )?;
+            let blocks = ck.require(&blocks_name, &[Dtype::U8], &[e, rows, groups, 16])?;
             let scales = ck.require(&format!("{prefix}_scales"), &u8s, &[e, rows, groups])?;
-            Ok(Mxfp4Experts {
+            Ok(ExpertMatrices::Mxfp4(Mxfp4Experts {
                 experts: e,
                 rows,
                 cols,
                 blocks: ck.bytes_of(blocks),
                 scales: ck.bytes_of(scales),
-            })
+            }))
         };
 
         let mut layers = Vec::with_capacity(cfg.num_layers);

@@ -246,6 +246,20 @@ fn generation_stops_at_eos_unless_ignored() {
     opts.stop_at_eos = false;
     let full = generate(&model, &reference.prompt_ids, &opts).unwrap();
     assert_eq!(full.generated_ids, reference.generated_ids);
+
+    // Stop tokens listed only in generation_config.json count too.
+    let earlier = reference.generated_ids[2];
+    assert!(!reference.generated_ids[..2].contains(&earlier));
+    let generation_config = serde_json::json!({"eos_token_id": [earlier]});
+    std::fs::write(
+        dir.path().join("generation_config.json"),
+        generation_config.to_string(),
+    )
+    .unwrap();
+    let model = Model::load(dir.path()).unwrap();
+    opts.stop_at_eos = true;
+    let stopped = generate(&model, &reference.prompt_ids, &opts).unwrap();
+    assert_eq!(stopped.generated_ids, reference.generated_ids[..3]);
 }
 
 #[test]

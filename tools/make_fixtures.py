@@ -93,7 +93,74 @@ FIXTURES = [
         shards=1,
         prompt_len=120,  # longer than 100 tokens; 152 positions cross the window several times
     ),
+    dict(
+        name="tiny-unquantized",
+        seed=4,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,  # NH * D = 128 > hidden 64
+        num_local_experts=3,
+        num_experts_per_tok=1,  # top-1: the softmax over one logit is 1
+        intermediate_size=32,
+        vocab_size=200,
+        sliding_window=4,
+        layer_types=None,
+        eos_token_id=[5, 6],
+        shards=2,
+        shard_names="hf",  # transformers' own 1-based shard names
+        prompt_len=40,
+        # What save_pretrained writes for a model that is not quantized: bf16 experts
+        # [E, in, out], no quantization_config; transformers 5 rope_parameters without truncate
+        # (which then means truncate=true); f32 sinks.
+        experts_format="bf16",
+        rope_layout="rope_parameters",
+        truncate=None,
+        sinks_dtype="f32",
+    ),
 ]
+
+
+def random_spec(index, seed):
+    """A random tiny GPT-OSS shape, for checking picchio on checkpoints its tests never saw
+    (`--random N`). Covers the config variants transformers accepts: both rope layouts, truncate
+    on/off/absent, layer_types absent or arbitrary, no window, GQA ratios, EOS forms, sharding."""
+    r = np.random.default_rng([seed, index])
+    heads = int(r.choice([1, 2, 3, 4, 6, 8]))
+    kv = int(r.choice([d for d in range(1, heads + 1) if heads % d == 0]))
+    experts = int(r.integers(1, 11))
+    layers = int(r.integers(1, 5))
+    spec = dict(
+        name=f"random-{seed}-{index}",
+        seed=int(r.integers(1 << 30)),
+        hidden_size=int(r.choice([32, 64, 96, 128, 160])),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=int(r.choice([8, 16, 32, 64])),
+        num_local_experts=experts,
+        num_experts_per_tok=int(r.integers(1, experts + 1)),
+        intermediate_size=int(r.choice([32, 64, 96])),
+        vocab_size=int(r.integers(50, 700)),
+        # transformers needs a window even when no layer slides; sometimes wider than the text.
+        sliding_window=4096 if r.random() < 0.15 else int(r.integers(1, 41)),
+        layer_types=None
+        if r.random() < 0.4
+        else [str(r.choice(["sliding_attention", "full_attention"])) for _ in range(layers)],
+        eos_token_id=[None, int(r.integers(0, 50)), [int(r.integers(0, 50)), int(r.integers(0, 50))]][
+            int(r.integers(0, 3))
+        ],
+        shards=int(r.integers(1, 4)),
+        shard_names=str(r.choice(["openai", "hf"])),
+        prompt_len=int(r.integers(1, 150)),
+        rope_layout=str(r.choice(["rope_scaling", "rope_parameters"])),
+        truncate=[False, True, None][int(r.integers(0, 3))],
+        sinks_dtype=str(r.choice(["bf16", "f32"])),
+        # Unquantized experts as save_pretrained writes them: [E, in, out], no quantization_config.
+        experts_format=str(r.choice(["mxfp4", "mxfp4", "bf16"])),
+    )
+    return spec
 
 
 def make_config(spec):
@@ -101,7 +168,7 @@ def make_config(spec):
     layer_types = spec["layer_types"] or [
         "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)
     ]
-    return {
+    config = {
         "architectures": ["GptOssForCausalLM"],
         "attention_bias": True,
         "attention_dropout": 0.0,
@@ -150,6 +217,23 @@ def make_config(spec):
         "use_cache": True,
         "vocab_size": spec["vocab_size"],
     }
+    if spec.get("layer_types") is None and spec.get("name", "").startswith("random"):
+        del config["layer_types"]  # transformers' default: even layers slide
+    if spec.get("eos_token_id", 0) is None:
+        del config["eos_token_id"]
+    truncate = spec.get("truncate", False)
+    if truncate is None:
+        del config["rope_scaling"]["truncate"]  # absent means True to transformers
+    else:
+        config["rope_scaling"]["truncate"] = truncate
+    if spec.get("experts_format") == "bf16":
+        del config["quantization_config"]
+    if spec.get("rope_layout") == "rope_parameters":
+        # transformers 5.x layout: one dict that also carries rope_theta.
+        params = config.pop("rope_scaling")
+        params["rope_theta"] = config.pop("rope_theta")
+        config["rope_parameters"] = params
+    return config
 
 
 def bf16(rng, shape, std, mean=0.0):
@@ -196,6 +280,8 @@ def make_tensors(spec, rng):
         t[f"{p}.self_attn.o_proj.weight"] = bf16(rng, (h, nh * d), 1.0 / math.sqrt(nh * d))
         t[f"{p}.self_attn.o_proj.bias"] = bf16(rng, (h,), 0.1)
         t[f"{p}.self_attn.sinks"] = bf16(rng, (nh,), 1.0)
+        if spec.get("sinks_dtype") == "f32":
+            t[f"{p}.self_attn.sinks"] = t[f"{p}.self_attn.sinks"].float()
         # Uneven routing: strong router weights plus a per-expert bias.
         t[f"{p}.mlp.router.weight"] = bf16(rng, (e, h), 2.0 / math.sqrt(h))
         t[f"{p}.mlp.router.bias"] = bf16(rng, (e,), 1.0)
@@ -214,7 +300,17 @@ def make_tensors(spec, rng):
     return t
 
 
-def save_checkpoint(tensors, out_dir, shards):
+def unquantize_experts(tensors):
+    """MXFP4 experts -> bf16 `gate_up_proj [E, H, 2I]` / `down_proj [E, I, H]` (exact: every
+    MXFP4 value is a bf16 value)."""
+    for name in [n for n in tensors if n.endswith("_blocks")]:
+        prefix = name[: -len("_blocks")]
+        dense = dequantize(tensors.pop(name), tensors.pop(prefix + "_scales"))  # [E, out, in]
+        tensors[prefix] = dense.transpose(1, 2).contiguous().to(torch.bfloat16)
+    return tensors
+
+
+def save_checkpoint(tensors, out_dir, shards, shard_names="openai"):
     if shards == 1:
         safetensors.torch.save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
         return
@@ -223,8 +319,12 @@ def save_checkpoint(tensors, out_dir, shards):
     weight_map = {}
     total = 0
     for s in range(shards):
-        # openai's 0-based naming: model-00000-of-00002 ... model-00002-of-00002 for 3 files.
-        file = f"model-{s:05d}-of-{shards - 1:05d}.safetensors"
+        # openai's 0-based naming: model-00000-of-00002 ... model-00002-of-00002 for 3 files;
+        # transformers' own: model-00001-of-00003 ... model-00003-of-00003.
+        if shard_names == "openai":
+            file = f"model-{s:05d}-of-{shards - 1:05d}.safetensors"
+        else:
+            file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         part = {n: tensors[n] for n in names[s * per : (s + 1) * per]}
         safetensors.torch.save_file(part, os.path.join(out_dir, file), metadata={"format": "pt"})
         for n, x in part.items():
@@ -255,7 +355,10 @@ def check_loaded_experts(model, tensors, spec):
         p = f"model.layers.{l}.mlp.experts"
         experts = model.model.layers[l].mlp.experts
         for proj in ("gate_up_proj", "down_proj"):
-            ours = dequantize(tensors[f"{p}.{proj}_blocks"], tensors[f"{p}.{proj}_scales"])  # [E, out, in]
+            if f"{p}.{proj}" in tensors:  # unquantized
+                ours = tensors[f"{p}.{proj}"].float().transpose(1, 2)
+            else:
+                ours = dequantize(tensors[f"{p}.{proj}_blocks"], tensors[f"{p}.{proj}_scales"])  # [E, out, in]
             theirs = getattr(experts, proj).detach().float().transpose(1, 2)  # [E, in, out] -> [E, out, in]
             assert torch.equal(ours, theirs), f"layer {l} {proj}: transformers decoded MXFP4 differently"
 
@@ -348,7 +451,9 @@ def build(spec, out_root, new_tokens, top):
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     tensors = make_tensors(spec, rng)
-    save_checkpoint(tensors, out_dir, spec["shards"])
+    if spec.get("experts_format") == "bf16":
+        tensors = unquantize_experts(tensors)
+    save_checkpoint(tensors, out_dir, spec["shards"], spec.get("shard_names", "openai"))
 
     model = load_reference_model(out_dir)
     check_loaded_experts(model, tensors, spec)
@@ -381,9 +486,12 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--only", nargs="*", help="fixture names to build (default: all)")
+    parser.add_argument("--random", type=int, default=0, help="build N random shapes instead of the fixtures")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --random")
     args = parser.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    for spec in FIXTURES:
+    specs = [random_spec(i, args.seed) for i in range(args.random)] if args.random else FIXTURES
+    for spec in specs:
         if args.only and spec["name"] not in args.only:
             continue
         build(spec, args.out, args.new_tokens, args.top)

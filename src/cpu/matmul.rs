@@ -6,7 +6,7 @@
 use rayon::prelude::*;
 
 use super::formats::{FP4_VALUES, bf16_to_f32, e8m0_scale, f16_to_f32};
-use crate::weights::{DenseMatrix, FloatFormat, Mxfp4Experts};
+use crate::weights::{DenseExperts, DenseMatrix, ExpertMatrices, FloatFormat, Mxfp4Experts};
 
 const LANES: usize = 8;
 
@@ -134,6 +134,54 @@ pub fn mxfp4_matmul(
     });
 }
 
+/// Unquantized expert `e` in `[in, out]` orientation: `y = x @ W[e] + bias`, summing over the
+/// inputs in ascending order (output columns in parallel).
+pub fn dense_expert_matmul(
+    w: &DenseExperts,
+    expert: usize,
+    xs: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) {
+    const COLUMNS: usize = 256;
+    for (x, y) in xs
+        .chunks_exact(w.inputs)
+        .zip(out.chunks_exact_mut(w.outputs))
+    {
+        y.par_chunks_mut(COLUMNS)
+            .enumerate()
+            .for_each(|(chunk, ys)| {
+                let first = chunk * COLUMNS;
+                ys.fill(0.0);
+                for (i, xi) in x.iter().enumerate() {
+                    let row = w.input_row(expert, i);
+                    for (k, yk) in ys.iter_mut().enumerate() {
+                        *yk += xi * decode_at(w.format, row, first + k);
+                    }
+                }
+                if let Some(b) = bias {
+                    for (yk, bk) in ys.iter_mut().zip(&b[first..]) {
+                        *yk += bk;
+                    }
+                }
+            });
+    }
+}
+
+/// One expert's projection over one or more tokens, whatever the checkpoint's expert format.
+pub fn expert_matmul(
+    w: &ExpertMatrices,
+    expert: usize,
+    xs: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) {
+    match w {
+        ExpertMatrices::Mxfp4(m) => mxfp4_matmul(m, expert, xs, bias, out),
+        ExpertMatrices::Dense(d) => dense_expert_matmul(d, expert, xs, bias, out),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -152,6 +200,58 @@ mod tests {
             (got - exact).abs() <= 1e-5 * exact.abs().max(1.0),
             "{got} vs {exact}"
         );
+    }
+
+    #[test]
+    fn unquantized_experts_match_mxfp4_experts() {
+        // Two experts of [rows=40, cols=64] in MXFP4, and the same values as f32 [E, in, out].
+        let (experts, rows, cols) = (2, 40, 64);
+        let blocks: Vec<u8> = (0..experts * rows * cols / 2)
+            .map(|i| (i * 89 + 7) as u8)
+            .collect();
+        let scales: Vec<u8> = (0..experts * rows * cols / 32)
+            .map(|i| 120 + (i % 5) as u8)
+            .collect();
+        let mx = Mxfp4Experts {
+            experts,
+            rows,
+            cols,
+            blocks: crate::weights::TensorBytes::from_vec(blocks),
+            scales: crate::weights::TensorBytes::from_vec(scales),
+        };
+        let mut transposed = vec![0f32; experts * cols * rows];
+        for e in 0..experts {
+            for r in 0..rows {
+                let (b, s) = mx.row(e, r);
+                let mut values = vec![0f32; cols];
+                dequantize_mxfp4_row(b, s, &mut values);
+                for (i, v) in values.iter().enumerate() {
+                    transposed[(e * cols + i) * rows + r] = *v;
+                }
+            }
+        }
+        let dense = DenseExperts {
+            experts,
+            inputs: cols,
+            outputs: rows,
+            format: FloatFormat::F32,
+            data: crate::weights::TensorBytes::from_vec(
+                transposed.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            ),
+        };
+        let xs: Vec<f32> = (0..3 * cols).map(|i| ((i as f32) * 0.41).cos()).collect();
+        let bias: Vec<f32> = (0..rows).map(|r| r as f32 * 0.01).collect();
+        for e in 0..experts {
+            let (mut a, mut b) = (vec![0f32; 3 * rows], vec![0f32; 3 * rows]);
+            mxfp4_matmul(&mx, e, &xs, Some(&bias), &mut a);
+            dense_expert_matmul(&dense, e, &xs, Some(&bias), &mut b);
+            for (k, (x, y)) in a.iter().zip(&b).enumerate() {
+                assert!(
+                    (x - y).abs() <= 1e-5 * x.abs().max(1.0),
+                    "expert {e} value {k}: {x} vs {y}"
+                );
+            }
+        }
     }
 
     #[test]

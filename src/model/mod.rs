@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 use crate::config::Config;
 use crate::cpu::attention::{HeadLayout, attend, first_visible_key};
-use crate::cpu::matmul::{dense_matmul, mxfp4_matmul};
+use crate::cpu::matmul::{dense_matmul, expert_matmul};
 use crate::cpu::moe::{Routing, clamped_swiglu, route};
 use crate::cpu::norm::rms_norm;
 use crate::cpu::rope::RopeTable;
@@ -238,12 +238,12 @@ impl Model {
                 .collect();
             let mut gate_up = vec![0f32; m * 2 * i];
             let gate_up_bias = &layer.gate_up_bias[e * 2 * i..(e + 1) * 2 * i];
-            mxfp4_matmul(&layer.gate_up, e, &xs, Some(gate_up_bias), &mut gate_up);
+            expert_matmul(&layer.gate_up, e, &xs, Some(gate_up_bias), &mut gate_up);
             let mut activated = vec![0f32; m * i];
             clamped_swiglu(&gate_up, cfg.swiglu_alpha, cfg.swiglu_limit, &mut activated);
             let mut down = vec![0f32; m * h];
             let down_bias = &layer.down_bias[e * h..(e + 1) * h];
-            mxfp4_matmul(&layer.down, e, &activated, Some(down_bias), &mut down);
+            expert_matmul(&layer.down, e, &activated, Some(down_bias), &mut down);
             for (u, &(t, w)) in users.iter().enumerate() {
                 for (o, d) in out[t * h..(t + 1) * h]
                     .iter_mut()

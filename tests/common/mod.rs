@@ -12,9 +12,12 @@ pub fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
 }
 
-/// Every committed fixture checkpoint (a directory with a `reference.json`).
+/// Every committed fixture checkpoint (a directory with a `reference.json`), or those under
+/// `$PICCHIO_FIXTURES` when set (e.g. `tools/make_fixtures.py --random N --out DIR`).
 pub fn fixture_dirs() -> Vec<PathBuf> {
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(fixtures_dir())
+    let extra = std::env::var_os("PICCHIO_FIXTURES").map(PathBuf::from);
+    let root = extra.clone().unwrap_or_else(fixtures_dir);
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
         .unwrap()
         .map(|e| e.unwrap().path())
         .filter(|p| p.join("reference.json").is_file())
