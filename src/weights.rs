@@ -76,18 +76,29 @@ impl std::fmt::Debug for TensorBytes {
     }
 }
 
+/// A model path must be an existing directory.
+pub(crate) fn require_dir(dir: &Path) -> Result<()> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    let what = if dir.exists() {
+        "not a directory"
+    } else {
+        "model directory not found"
+    };
+    Err(Error::io(
+        dir,
+        std::io::Error::new(std::io::ErrorKind::NotFound, what),
+    ))
+}
+
 const INDEX_FILE: &str = "model.safetensors.index.json";
 const SINGLE_FILE: &str = "model.safetensors";
 
 impl Checkpoint {
     /// Opens every shard of the checkpoint in `dir` and reads their headers.
     pub fn open(dir: &Path) -> Result<Checkpoint> {
-        if !dir.is_dir() {
-            return Err(Error::io(
-                dir,
-                std::io::Error::new(std::io::ErrorKind::NotFound, "model directory not found"),
-            ));
-        }
+        require_dir(dir)?;
         let index_path = dir.join(INDEX_FILE);
         let (files, weight_map) = if index_path.is_file() {
             let (files, map) = read_index(&index_path)?;

@@ -204,7 +204,7 @@ fn good_input_still_works_through_the_cli() {
     let ids: Vec<String> = reference.prompt_ids.iter().map(u32::to_string).collect();
     let ids = ids.join(",");
     let d = dir.to_str().unwrap();
-    let (ok, stdout, stderr) = picchio(&[
+    let plain = [
         "generate",
         "--model",
         d,
@@ -213,24 +213,13 @@ fn good_input_still_works_through_the_cli() {
         "--max-new-tokens",
         "32",
         "--ignore-eos",
-    ]);
+    ];
+    let (ok, stdout, stderr) = picchio(&plain);
     assert!(ok, "{stderr}");
     let want: Vec<String> = reference.generated_ids.iter().map(u32::to_string).collect();
     assert_eq!(stdout.trim(), want.join(" "));
 
-    let (ok, stdout, stderr) = picchio(&[
-        "generate",
-        "--model",
-        d,
-        "--ids",
-        &ids,
-        "--max-new-tokens",
-        "32",
-        "--ignore-eos",
-        "--json",
-        "--top-logits",
-        "10",
-    ]);
+    let (ok, stdout, stderr) = picchio(&[&plain[..], &["--json", "--top-logits", "10"]].concat());
     assert!(ok, "{stderr}");
     let v: serde_json::Value =
         serde_json::from_str(stdout.trim()).expect("exactly one JSON object on stdout");

@@ -40,12 +40,7 @@ pub struct Model {
 impl Model {
     /// Loads `DIR/config.json` and the checkpoint's safetensors, enforcing the L0 contract.
     pub fn load(dir: &Path) -> Result<Model> {
-        if !dir.is_dir() {
-            return Err(Error::io(
-                dir,
-                std::io::Error::new(std::io::ErrorKind::NotFound, "model directory not found"),
-            ));
-        }
+        crate::weights::require_dir(dir)?;
         let config = Config::load(dir)?;
         let checkpoint = Checkpoint::open(dir)?;
         let weights = ModelWeights::load(&checkpoint, &config)?;
