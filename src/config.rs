@@ -11,6 +11,9 @@ use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
 
+/// Upper bound on every dimension read from config.json (GPT-OSS-120B's largest is 201088).
+const MAX_DIMENSION: usize = 1 << 24;
+
 /// Attention layer kind, from `layer_types`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 pub enum LayerType {
@@ -62,6 +65,8 @@ pub struct RawConfig {
     pub rope_theta: Option<f64>,
     /// Phi-3 style top-level key; when present transformers prefers it for YaRN.
     pub original_max_position_embeddings: Option<f64>,
+    /// Top-level legacy key; transformers moves it into the rope parameters.
+    pub partial_rotary_factor: Option<f64>,
     pub num_experts_per_tok: usize,
     pub swiglu_alpha: f64,
     pub swiglu_limit: f64,
@@ -94,6 +99,7 @@ impl Default for RawConfig {
             rope_scaling: None,
             rope_theta: None,
             original_max_position_embeddings: None,
+            partial_rotary_factor: None,
             num_experts_per_tok: 4,
             swiglu_alpha: 1.702,
             swiglu_limit: 7.0,
@@ -231,6 +237,12 @@ impl Config {
             if value == 0 {
                 return Err(format!("{name} must be positive"));
             }
+            // Far above any real model, low enough that sizes derived from it cannot overflow.
+            if value > MAX_DIMENSION {
+                return Err(format!(
+                    "{name} ({value}) is implausibly large (limit {MAX_DIMENSION})"
+                ));
+            }
         }
         if !num_heads.is_multiple_of(num_kv_heads) {
             return Err(format!(
@@ -255,7 +267,13 @@ impl Config {
             ));
         }
         if raw.sliding_window == Some(0) {
-            return Err("sliding_window must be positive (or null)".into());
+            return Err("sliding_window must be positive".into());
+        }
+        if !(raw.swiglu_limit >= 0.0 && raw.swiglu_alpha.is_finite()) {
+            return Err(format!(
+                "swiglu_limit ({}) must be non-negative and swiglu_alpha ({}) finite",
+                raw.swiglu_limit, raw.swiglu_alpha
+            ));
         }
         // transformers: layer i is sliding iff i is even, when layer_types is absent.
         let layer_types = match raw.layer_types.clone() {
@@ -279,6 +297,12 @@ impl Config {
                 })
                 .collect(),
         };
+        if raw.sliding_window.is_none() && layer_types.contains(&LayerType::Sliding) {
+            // transformers refuses this too: a sliding layer needs a window.
+            return Err(
+                "sliding_window is null but layer_types has sliding_attention layers".into(),
+            );
+        }
         let rope = resolve_rope(&raw, head_dim)?;
         let eos_token_ids = TokenIds::flatten(raw.eos_token_id.clone());
         let quant_method = raw
@@ -364,7 +388,7 @@ fn resolve_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<Rope, S
             "rope_theta ({theta}) must be a finite number above 1"
         ));
     }
-    if let Some(p) = number(&params, "partial_rotary_factor")?
+    if let Some(p) = number(&params, "partial_rotary_factor")?.or(raw.partial_rotary_factor)
         && p != 1.0
     {
         return Err(format!("partial_rotary_factor {p} is not supported"));
@@ -413,7 +437,9 @@ fn resolve_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<Rope, S
                 .filter(|b| *b != 0.0)
                 .unwrap_or(1.0);
             let truncate = match params.get("truncate") {
-                None | Some(Value::Null) => true,
+                // `.get("truncate", True)`: absent means true, an explicit null is falsy.
+                None => true,
+                Some(Value::Null) => false,
                 Some(Value::Bool(b)) => *b,
                 Some(v) => return Err(format!("rope parameter truncate is not a bool: {v}")),
             };
@@ -524,6 +550,16 @@ mod tests {
             RopeKind::Yarn { low, high, .. } => assert_eq!((low, high), (8.0, 18.0)),
             ref other => panic!("{other:?}"),
         }
+        // An explicit null is falsy to transformers: no truncation.
+        let c = parse(
+            r#"{"rope_scaling": {"rope_type": "yarn", "factor": 32.0, "truncate": null,
+            "original_max_position_embeddings": 4096}}"#,
+        )
+        .unwrap();
+        match c.rope.kind {
+            RopeKind::Yarn { low, .. } => assert!((low - 8.092779).abs() < 1e-5),
+            ref other => panic!("{other:?}"),
+        }
     }
 
     #[test]
@@ -543,6 +579,20 @@ mod tests {
             (r#"{"model_type": "llama"}"#, "llama"),
             (r#"{"rope_scaling": {"rope_type": "longrope"}}"#, "longrope"),
             (r#"{"num_experts_per_tok": 200}"#, "exceeds"),
+            (r#"{"hidden_size": 0}"#, "hidden_size must be positive"),
+            (r#"{"head_dim": 15}"#, "even"),
+            (r#"{"sliding_window": 0}"#, "sliding_window"),
+            (r#"{"sliding_window": null}"#, "sliding_window is null"),
+            (r#"{"swiglu_limit": -1}"#, "swiglu_limit"),
+            (
+                r#"{"num_hidden_layers": 1000000000000000}"#,
+                "implausibly large",
+            ),
+            (r#"{"partial_rotary_factor": 0.5}"#, "partial_rotary_factor"),
+            (
+                r#"{"rope_scaling": {"rope_type": "yarn", "truncate": 3}}"#,
+                "truncate",
+            ),
         ];
         for (text, needle) in cases {
             let msg = parse(text).unwrap_err().to_string();

@@ -527,7 +527,7 @@ impl ModelWeights {
             }))
         };
 
-        let mut layers = Vec::with_capacity(cfg.num_layers);
+        let mut layers = Vec::new(); // grows as tensors are found: no trust in the config's count
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
         for l in 0..cfg.num_layers {
             let p = format!("model.layers.{l}");

@@ -100,41 +100,45 @@ fn layer_checkpoints_match_transformers() {
         model
             .forward(&mut cache, &reference.prompt_ids, Some(&mut trace))
             .unwrap();
-        assert_eq!(trace.len(), reference.layers.len());
-        for (l, (got, want)) in trace.iter().zip(&reference.layers).enumerate() {
-            let what = |s: &str| format!("{} layer {l} {s}", dir.display());
-            assert_close(
-                &what("after attention"),
-                &got.after_attention,
-                &want.after_attention,
-                HIDDEN_ATOL,
-                HIDDEN_RTOL,
-            );
-            let got_set: BTreeSet<usize> = got.routing.experts.iter().copied().collect();
-            let want_set: BTreeSet<usize> = want.router_ids.iter().copied().collect();
-            assert_eq!(got_set, want_set, "{}", what("router top-k"));
-            // Weights compared by expert id, whatever the order.
-            let got_weights: Vec<f32> = want
-                .router_ids
-                .iter()
-                .map(|e| {
-                    got.routing.weights[got.routing.experts.iter().position(|x| x == e).unwrap()]
-                })
-                .collect();
-            assert_close(
-                &what("router weights"),
-                &got_weights,
-                &want.router_weights,
-                ROUTER_WEIGHT_ATOL,
-                0.0,
-            );
-            assert_close(
-                &what("after MoE"),
-                &got.after_moe,
-                &want.after_moe,
-                HIDDEN_ATOL,
-                HIDDEN_RTOL,
-            );
+        let h = model.config.hidden_size;
+        let last = reference.prompt_ids.len() - 1;
+        for (position, layers) in [(0, &reference.layers), (last, &reference.layers_last)] {
+            assert_eq!(trace.len(), layers.len());
+            for (l, (got, want)) in trace.iter().zip(layers).enumerate() {
+                let what = |s: &str| format!("{} position {position} layer {l} {s}", dir.display());
+                let row = |v: &[f32]| v[position * h..(position + 1) * h].to_vec();
+                assert_close(
+                    &what("after attention"),
+                    &row(&got.after_attention),
+                    &want.after_attention,
+                    HIDDEN_ATOL,
+                    HIDDEN_RTOL,
+                );
+                let routing = &got.routings[position];
+                let got_set: BTreeSet<usize> = routing.experts.iter().copied().collect();
+                let want_set: BTreeSet<usize> = want.router_ids.iter().copied().collect();
+                assert_eq!(got_set, want_set, "{}", what("router top-k"));
+                // Weights compared by expert id, whatever the order.
+                let got_weights: Vec<f32> = want
+                    .router_ids
+                    .iter()
+                    .map(|e| routing.weights[routing.experts.iter().position(|x| x == e).unwrap()])
+                    .collect();
+                assert_close(
+                    &what("router weights"),
+                    &got_weights,
+                    &want.router_weights,
+                    ROUTER_WEIGHT_ATOL,
+                    0.0,
+                );
+                assert_close(
+                    &what("after MoE"),
+                    &row(&got.after_moe),
+                    &want.after_moe,
+                    HIDDEN_ATOL,
+                    HIDDEN_RTOL,
+                );
+            }
         }
     }
 }
@@ -162,8 +166,8 @@ fn batched_prefill_equals_one_token_at_a_time() {
         let model = Model::load(&dir).unwrap();
         let prompt = reference(&dir).prompt_ids;
         let batched = run_in_blocks(&model, &prompt, prompt.len(), 12);
-        // Block sizes that straddle the sliding windows (8, 16, 32) in different ways.
-        for block in [1, 5, 17] {
+        // Block sizes below every prompt length, straddling the windows (4, 8, 16, 32).
+        for block in [1, 3, 5, 9] {
             let other = run_in_blocks(&model, &prompt, block, 12);
             // Same dot products in the same order: bit-identical, not merely close.
             assert_eq!(
@@ -272,4 +276,5 @@ fn context_limit_ends_generation() {
     let out = generate(&model, &reference.prompt_ids, &opts).unwrap();
     // Positions 0..context-1 can be fed; the token chosen at the last one is still reported.
     assert_eq!(out.generated_ids, reference.generated_ids[..4]);
+    assert_eq!(out.stop, picchio::model::generate::StopReason::ContextFull);
 }

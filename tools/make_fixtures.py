@@ -14,7 +14,8 @@ Each fixture directory gets:
                                    prompt ids, 32 greedy ids (EOS disabled), top-10 logits and
                                    the top1-top2 margin per step, and per-layer checkpoints at
                                    position 0 (residual after attention, router top-k ids and
-                                   weights, residual after the MoE block).
+                                   weights, residual after the MoE block), and the same at the
+                                   last prompt position (`layers_last`).
 
 The checkpoint is written first and then loaded back with `from_pretrained`, so transformers'
 own MXFP4 loader interprets the layout: the reference does not depend on this script's reading
@@ -364,7 +365,8 @@ def check_loaded_experts(model, tensors, spec):
 
 
 @torch.no_grad()
-def layer_checkpoints(model, prompt):
+def layer_checkpoints(model, prompt, position):
+    """Per-layer values at one prompt position of a full (uncached) forward pass."""
     records = []
     hooks = []
     for layer in model.model.layers:
@@ -372,20 +374,20 @@ def layer_checkpoints(model, prompt):
         records.append(rec)
         hooks.append(
             layer.post_attention_layernorm.register_forward_pre_hook(
-                lambda m, args, rec=rec: rec.__setitem__("after_attention", args[0][0, 0].tolist())
+                lambda m, args, rec=rec: rec.__setitem__("after_attention", args[0][0, position].tolist())
             )
         )
 
         def router_hook(m, args, out, rec=rec):
             _, scores, indices = out
-            rec["router_ids"] = indices[0].tolist()
-            rec["router_weights"] = scores[0].tolist()
+            rec["router_ids"] = indices[position].tolist()
+            rec["router_weights"] = scores[position].tolist()
 
         hooks.append(layer.mlp.router.register_forward_hook(router_hook))
         hooks.append(
             layer.register_forward_hook(
                 lambda m, args, out, rec=rec: rec.__setitem__(
-                    "after_moe", (out[0] if isinstance(out, tuple) else out)[0, 0].tolist()
+                    "after_moe", (out[0] if isinstance(out, tuple) else out)[0, position].tolist()
                 )
             )
         )
@@ -460,7 +462,9 @@ def build(spec, out_root, new_tokens, top):
     # Avoid the EOS ids in the prompt so the prompt reads like text.
     prompt = [int(x) for x in rng.integers(10, spec["vocab_size"], size=spec["prompt_len"])]
     ids, steps = greedy(model, prompt, new_tokens, top)
-    layers = layer_checkpoints(model, prompt)
+    layers = layer_checkpoints(model, prompt, 0)
+    # The last prompt position also exercises windows, sinks over many keys and rotation.
+    layers_last = layer_checkpoints(model, prompt, len(prompt) - 1)
     reference = {
         "generator": "tools/make_fixtures.py",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
@@ -471,6 +475,7 @@ def build(spec, out_root, new_tokens, top):
         "min_margin": min(s["margin"] for s in steps),
         "clamp_fraction": clamp_fraction(model, prompt, config["swiglu_limit"]),
         "layers": layers,
+        "layers_last": layers_last,
     }
     with open(os.path.join(out_dir, "reference.json"), "w") as f:
         json.dump(reference, f)

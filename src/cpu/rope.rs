@@ -150,6 +150,33 @@ mod tests {
     }
 
     #[test]
+    fn rotation_pairs_element_i_with_i_plus_half() {
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/configs/gpt-oss-20b.config.json");
+        let rope = RopeTable::new(&Config::load_file(&path).unwrap());
+        let (cos, sin) = rope.cos_sin(5);
+        // x = e_0: rotates into the first and the (D/2)-th elements: (cos, sin) at frequency 0.
+        let mut x = vec![0f32; 64];
+        x[0] = 1.0;
+        rope.apply(&mut x, &cos, &sin);
+        let m = rope.attention_factor();
+        assert!(
+            (x[0] - 5f32.cos() * m).abs() < 1e-6 && (x[32] - 5f32.sin() * m).abs() < 1e-6,
+            "{x:?}"
+        );
+        assert!(
+            x.iter()
+                .enumerate()
+                .all(|(i, v)| i == 0 || i == 32 || *v == 0.0)
+        );
+        // x = e_{D/2}: (-sin, cos).
+        let mut y = vec![0f32; 64];
+        y[32] = 1.0;
+        rope.apply(&mut y, &cos, &sin);
+        assert!((y[0] + 5f32.sin() * m).abs() < 1e-6 && (y[32] - 5f32.cos() * m).abs() < 1e-6);
+    }
+
+    #[test]
     fn rotation_at_position_zero_only_scales() {
         let path =
             Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/configs/gpt-oss-20b.config.json");

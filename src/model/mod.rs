@@ -18,14 +18,14 @@ use crate::error::{Error, Result};
 use crate::weights::{Checkpoint, LayerWeights, ModelWeights};
 pub use kv_cache::KvCache;
 
-/// Values of one layer at one position, for comparison with a reference implementation.
+/// Values of one layer at every position of a block, for comparison with a reference.
 #[derive(Debug, Clone)]
 pub struct LayerTrace {
-    /// Residual stream after the attention block.
+    /// Residual stream after the attention block, `[positions, hidden]`.
     pub after_attention: Vec<f32>,
-    /// Router choice, by descending logit.
-    pub routing: Routing,
-    /// Residual stream after the MoE block.
+    /// Router choice per position, by descending logit.
+    pub routings: Vec<Routing>,
+    /// Residual stream after the MoE block, `[positions, hidden]`.
     pub after_moe: Vec<f32>,
 }
 
@@ -60,7 +60,7 @@ impl Model {
 
     /// Runs `tokens` (one or more, placed after what `cache` holds) through the model, all
     /// positions of a layer at once, and returns the logits of the last position. With `trace`,
-    /// records every layer's values at the block's first position.
+    /// records every layer's values at every position of the block.
     pub fn forward(
         &self,
         cache: &mut KvCache,
@@ -101,7 +101,7 @@ impl Model {
             rms_norm(&hidden, &layer.input_norm, cfg.rms_norm_eps, &mut normed);
             let attention = self.attention(l, layer, cache, start, &normed);
             add_into(&mut hidden, &attention);
-            let after_attention = trace.is_some().then(|| hidden[..h].to_vec());
+            let after_attention = trace.is_some().then(|| hidden.clone());
 
             rms_norm(
                 &hidden,
@@ -114,8 +114,8 @@ impl Model {
             if let (Some(trace), Some(after_attention)) = (trace.as_deref_mut(), after_attention) {
                 trace.push(LayerTrace {
                     after_attention,
-                    routing: routings[0].clone(),
-                    after_moe: hidden[..h].to_vec(),
+                    routings,
+                    after_moe: hidden.clone(),
                 });
             }
         }

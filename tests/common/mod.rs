@@ -50,7 +50,10 @@ pub struct Reference {
     pub prompt_ids: Vec<u32>,
     pub generated_ids: Vec<u32>,
     pub steps: Vec<ReferenceStep>,
+    /// Per-layer values at prompt position 0.
     pub layers: Vec<ReferenceLayer>,
+    /// Per-layer values at the last prompt position.
+    pub layers_last: Vec<ReferenceLayer>,
 }
 
 pub fn reference(dir: &Path) -> Reference {
