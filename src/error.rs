@@ -60,6 +60,9 @@ pub enum Error {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    #[error("GPU: {0}")]
+    Gpu(String),
+
     #[error("unsupported checkpoint: {0}")]
     Unsupported(String),
 }

@@ -9,6 +9,7 @@
 pub mod config;
 pub mod cpu;
 pub mod error;
+pub mod gpu;
 pub mod model;
 pub mod weights;
 

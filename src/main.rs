@@ -58,6 +58,12 @@ enum Command {
         #[arg(long)]
         ignore_eos: bool,
     },
+    /// List the GPU adapters wgpu finds (best first), with backend, type, driver, limits and features.
+    Devices {
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print the checkpoint's tensors (name, dtype, shape, bytes, format) and byte totals.
     Inspect {
         #[arg(long)]
@@ -146,6 +152,7 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Inspect { model, json } => inspect(&model, json),
+        Command::Devices { json } => devices(json),
     }
 }
 
@@ -237,6 +244,43 @@ fn inspect(dir: &std::path::Path, json: bool) -> Result<()> {
         cfg.intermediate_size,
         cfg.vocab_size
     );
+    Ok(())
+}
+
+fn devices(json: bool) -> Result<()> {
+    let adapters = picchio::gpu::list_adapters();
+    if json {
+        println!("{}", json!({ "adapters": adapters }));
+        return Ok(());
+    }
+    if adapters.is_empty() {
+        println!("no Vulkan, Metal or DX12 adapter found");
+    }
+    for (i, a) in adapters.iter().enumerate() {
+        println!("[{i}] {} ({}, {})", a.name, a.backend, a.device_type);
+        println!("    driver: {} {}", a.driver, a.driver_info);
+        println!(
+            "    max storage binding: {} MiB, max buffer: {} MiB, storage buffers per stage: {}",
+            a.max_storage_buffer_binding_size >> 20,
+            a.max_buffer_size >> 20,
+            a.max_storage_buffers_per_shader_stage
+        );
+        println!(
+            "    workgroup memory: {} KiB, invocations per workgroup: {}",
+            a.max_compute_workgroup_storage_size >> 10,
+            a.max_compute_invocations_per_workgroup
+        );
+        println!(
+            "    SHADER_F16: {}, SUBGROUP: {} (sizes {}-{}), TIMESTAMP_QUERY: {}",
+            a.shader_f16, a.subgroup, a.subgroup_sizes.0, a.subgroup_sizes.1, a.timestamp_query
+        );
+        if a.device_type == "Cpu" {
+            println!(
+                "    (software adapter: used only with {}=1)",
+                picchio::gpu::context::ALLOW_SOFTWARE_ENV
+            );
+        }
+    }
     Ok(())
 }
 

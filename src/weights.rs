@@ -353,6 +353,29 @@ impl Mxfp4Experts {
     }
 }
 
+/// Group-scaled INT4 experts (picchio's converted format): `qweight [E, R, C/2]` with two signed
+/// 4-bit values per byte (low nibble first, value = nibble - 8) and `scales [E, R, C/32]` f16, one
+/// per 32 consecutive inputs of a row: `w = (nibble - 8) * scale`.
+#[derive(Debug, Clone)]
+pub struct Int4Experts {
+    pub experts: usize,
+    pub rows: usize,
+    pub cols: usize,
+    pub qweight: TensorBytes,
+    pub scales: TensorBytes,
+}
+
+impl Int4Experts {
+    /// The packed bytes and f16 scale bytes of row `r` of expert `e`.
+    pub fn row(&self, e: usize, r: usize) -> (&[u8], &[u8]) {
+        let groups = self.cols / 32;
+        let row_index = e * self.rows + r;
+        let q = &self.qweight.bytes()[row_index * groups * 16..(row_index + 1) * groups * 16];
+        let s = &self.scales.bytes()[row_index * groups * 2..(row_index + 1) * groups * 2];
+        (q, s)
+    }
+}
+
 /// Unquantized experts in transformers' orientation, `[E, in, out]` (`x @ W`): what
 /// `save_pretrained` writes for a GPT-OSS model that was never quantized or was dequantized.
 #[derive(Debug, Clone)]
@@ -377,6 +400,7 @@ impl DenseExperts {
 #[derive(Debug, Clone)]
 pub enum ExpertMatrices {
     Mxfp4(Mxfp4Experts),
+    Int4(Int4Experts),
     Dense(DenseExperts),
 }
 
@@ -385,6 +409,7 @@ impl ExpertMatrices {
     pub fn outputs(&self) -> usize {
         match self {
             ExpertMatrices::Mxfp4(m) => m.rows,
+            ExpertMatrices::Int4(m) => m.rows,
             ExpertMatrices::Dense(d) => d.outputs,
         }
     }
@@ -393,6 +418,7 @@ impl ExpertMatrices {
     pub fn inputs(&self) -> usize {
         match self {
             ExpertMatrices::Mxfp4(m) => m.cols,
+            ExpertMatrices::Int4(m) => m.cols,
             ExpertMatrices::Dense(d) => d.inputs,
         }
     }
@@ -509,7 +535,7 @@ impl ModelWeights {
                     data: ck.bytes_of(entry),
                 }));
             }
-            if cols % 32 != 0 {
+            if !cols.is_multiple_of(32) {
                 return Err(Error::Unsupported(format!(
                     "{prefix}: input size {cols} is not a multiple of 32, which MXFP4 experts need"
                 )));

@@ -56,6 +56,22 @@ pub fn dequantize_mxfp4_row(blocks: &[u8], scales: &[u8], out: &mut [f32]) {
     }
 }
 
+/// Dequantizes one group-scaled INT4 row: 16 bytes and one f16 scale per 32 values, low nibble
+/// first, value = nibble - 8.
+pub fn dequantize_int4_row(qweight: &[u8], scales: &[u8], out: &mut [f32]) {
+    for (g, (group, scale)) in qweight
+        .chunks_exact(16)
+        .zip(scales.chunks_exact(2))
+        .enumerate()
+    {
+        let s = f16_to_f32(scale[0], scale[1]);
+        for (j, &byte) in group.iter().enumerate() {
+            out[g * 32 + 2 * j] = ((byte & 0x0F) as i32 - 8) as f32 * s;
+            out[g * 32 + 2 * j + 1] = ((byte >> 4) as i32 - 8) as f32 * s;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -72,6 +88,18 @@ mod tests {
         assert_eq!(out[1], 0.0);
         assert!(out[1].is_sign_negative(), "code 8 is -0");
         assert_eq!((out[2], out[3]), (1.0, 2.0)); // 0x21: low 1 (0.5), high 2 (1.0), times 2
+    }
+
+    #[test]
+    fn int4_values_are_signed_nibbles_times_the_group_scale() {
+        let q: Vec<u8> = std::iter::once(0xF0)
+            .chain(std::iter::repeat_n(0x88, 15))
+            .collect();
+        let scale = half::f16::from_f32(0.25).to_le_bytes();
+        let mut out = [f32::NAN; 32];
+        dequantize_int4_row(&q, &scale, &mut out);
+        assert_eq!((out[0], out[1]), (-2.0, 1.75)); // low nibble 0 -> -8, high 15 -> 7
+        assert!(out[2..].iter().all(|v| *v == 0.0));
     }
 
     #[test]

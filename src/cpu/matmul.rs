@@ -6,7 +6,9 @@
 use rayon::prelude::*;
 
 use super::formats::{FP4_VALUES, bf16_to_f32, e8m0_scale, f16_to_f32};
-use crate::weights::{DenseExperts, DenseMatrix, ExpertMatrices, FloatFormat, Mxfp4Experts};
+use crate::weights::{
+    DenseExperts, DenseMatrix, ExpertMatrices, FloatFormat, Int4Experts, Mxfp4Experts,
+};
 
 const LANES: usize = 8;
 
@@ -64,6 +66,26 @@ pub fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
         // Scaling by a power of two is exact, so this equals the dot with dequantized weights
         // up to the order of the additions.
         total += reduce(acc) * e8m0_scale(scale);
+    }
+    total
+}
+
+/// Dot product of one group-scaled INT4 row (16 bytes + one f16 scale per 32 inputs) with `x`.
+pub fn dot_int4(qweight: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+    let mut total = 0f32;
+    for (g, (group, scale)) in qweight
+        .chunks_exact(16)
+        .zip(scales.chunks_exact(2))
+        .enumerate()
+    {
+        let xs = &x[g * 32..(g + 1) * 32];
+        let mut acc = [0f32; LANES];
+        for (j, &byte) in group.iter().enumerate() {
+            let lane = (2 * j) % LANES;
+            acc[lane] += ((byte & 0x0F) as i32 - 8) as f32 * xs[2 * j];
+            acc[lane + 1] += ((byte >> 4) as i32 - 8) as f32 * xs[2 * j + 1];
+        }
+        total += reduce(acc) * f16_to_f32(scale[0], scale[1]);
     }
     total
 }
@@ -134,6 +156,20 @@ pub fn mxfp4_matmul(
     });
 }
 
+/// One expert's group-scaled INT4 linear layer over one or more tokens.
+pub fn int4_matmul(
+    w: &Int4Experts,
+    expert: usize,
+    xs: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) {
+    rows_times_tokens(w.rows, w.cols, xs, bias, out, |r, x| {
+        let (q, s) = w.row(expert, r);
+        dot_int4(q, s, x)
+    });
+}
+
 /// Unquantized expert `e` in `[in, out]` orientation: `y = x @ W[e] + bias`, summing over the
 /// inputs in ascending order (output columns in parallel).
 pub fn dense_expert_matmul(
@@ -178,6 +214,7 @@ pub fn expert_matmul(
 ) {
     match w {
         ExpertMatrices::Mxfp4(m) => mxfp4_matmul(m, expert, xs, bias, out),
+        ExpertMatrices::Int4(m) => int4_matmul(m, expert, xs, bias, out),
         ExpertMatrices::Dense(d) => dense_expert_matmul(d, expert, xs, bias, out),
     }
 }

@@ -1,0 +1,161 @@
+// Matrix-vector / matrix-matrix products with f32 accumulation, one workgroup per output row.
+//
+// Entry `dense`: y[t][row_offset + r] = W[r] . x[t] + bias[row_offset + r] for a chunk of rows of a
+//   dense [out, in] matrix stored as bf16 (BF16), f16 (F16) or f32 (F32) words.
+// Entry `experts`: for every (token, slot) pair p, with e = ids[p] the routed expert,
+//   y[p][r] = W[e][r] . x[p / x_div] + bias[e][r], for experts quantized as MXFP4 (MXFP4: E2M1
+//   nibbles, low nibble first, one E8M0 scale byte per 32 inputs) or group-scaled INT4 (INT4: signed
+//   nibbles q - 8, one f16 scale per 32 inputs). A chunk holds experts [expert_first,
+//   expert_first + expert_count); pairs routed elsewhere are skipped.
+
+const WG: u32 = 64u;
+
+struct Params {
+    rows: u32,          // rows in this chunk (per expert for `experts`)
+    cols: u32,          // inputs per row
+    row_offset: u32,    // global index of the chunk's first row (dense)
+    out_stride: u32,    // floats between consecutive outputs rows of y (t or p)
+    x_stride: u32,      // floats between consecutive rows of x
+    has_bias: u32,
+    groups_x: u32,      // workgroups along x (rows = x + y * groups_x)
+    expert_first: u32,
+    expert_count: u32,
+    x_div: u32,         // x row of pair p is p / x_div
+    pairs: u32,
+    pad: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> w: array<u32>;
+@group(0) @binding(2) var<storage, read> x: array<f32>;
+@group(0) @binding(3) var<storage, read> bias: array<f32>;
+@group(0) @binding(4) var<storage, read_write> y: array<f32>;
+#if EXPERTS
+@group(0) @binding(5) var<storage, read> scales: array<u32>;
+@group(0) @binding(6) var<storage, read> ids: array<u32>;
+#endif
+
+var<workgroup> partial: array<f32, WG>;
+var<workgroup> routed: u32;
+
+fn reduce(lid: u32, value: f32) -> f32 {
+    partial[lid] = value;
+    workgroupBarrier();
+    for (var stride = WG / 2u; stride > 0u; stride = stride / 2u) {
+        if (lid < stride) {
+            partial[lid] = partial[lid] + partial[lid + stride];
+        }
+        workgroupBarrier();
+    }
+    return partial[0];
+}
+
+#if DENSE
+fn weight(i: u32) -> f32 {
+#if BF16
+    let word = w[i >> 1u];
+    return bitcast<f32>(select(word << 16u, word & 0xffff0000u, (i & 1u) == 1u));
+#endif
+#if F16
+    let pair = unpack2x16float(w[i >> 1u]);
+    return select(pair.x, pair.y, (i & 1u) == 1u);
+#endif
+#if F32
+    return bitcast<f32>(w[i]);
+#endif
+}
+
+@compute @workgroup_size(64)
+fn dense(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r = wg.x + wg.y * p.groups_x;
+    let t = wg.z;
+    if (r >= p.rows) {
+        return;
+    }
+    let base = r * p.cols;
+    let xb = t * p.x_stride;
+    var acc = 0.0;
+    for (var c = lid; c < p.cols; c = c + WG) {
+        acc = acc + weight(base + c) * x[xb + c];
+    }
+    let total = reduce(lid, acc);
+    if (lid == 0u) {
+        let row = p.row_offset + r;
+        var v = total;
+        if (p.has_bias == 1u) {
+            v = v + bias[row];
+        }
+        y[t * p.out_stride + row] = v;
+    }
+}
+#endif
+
+#if EXPERTS
+fn byte_at(words_index: u32, which: u32) -> u32 {
+    return (words_index >> (8u * which)) & 0xffu;
+}
+
+// The scale of group g of a row whose groups start at scale index s0.
+fn group_scale(s: u32) -> f32 {
+#if MXFP4
+    let byte = (scales[s >> 2u] >> (8u * (s & 3u))) & 0xffu;
+    return ldexp(1.0, i32(byte) - 127);
+#endif
+#if INT4
+    let pair = unpack2x16float(scales[s >> 1u]);
+    return select(pair.x, pair.y, (s & 1u) == 1u);
+#endif
+}
+
+fn nibble_value(n: u32) -> f32 {
+#if MXFP4
+    // E2M1: bit 3 sign, then 2 exponent bits and 1 mantissa bit.
+    let magnitude = array<f32, 8>(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0);
+    let v = magnitude[n & 7u];
+    return select(v, -v, (n & 8u) != 0u);
+#endif
+#if INT4
+    return f32(i32(n) - 8);
+#endif
+}
+
+@compute @workgroup_size(64)
+fn experts(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r = wg.x + wg.y * p.groups_x;
+    let pair = wg.z;
+    if (lid == 0u) {
+        routed = ids[pair];
+    }
+    // Uniform across the workgroup, so the early exit keeps barriers in uniform control flow.
+    let e = workgroupUniformLoad(&routed);
+    if (r >= p.rows || e < p.expert_first || e >= p.expert_first + p.expert_count) {
+        return;
+    }
+    let groups = p.cols / 32u;
+    let row = (e - p.expert_first) * p.rows + r;
+    let word0 = row * groups * 4u;   // 16 bytes = 4 words per group
+    let scale0 = row * groups;
+    let xb = (pair / p.x_div) * p.x_stride;
+    var acc = 0.0;
+    for (var g = lid; g < groups; g = g + WG) {
+        var sum = 0.0;
+        for (var k = 0u; k < 4u; k = k + 1u) {
+            let word = w[word0 + g * 4u + k];
+            let xk = xb + g * 32u + k * 8u;
+            for (var b = 0u; b < 4u; b = b + 1u) {
+                let byte = byte_at(word, b);
+                sum = sum + nibble_value(byte & 15u) * x[xk + 2u * b] + nibble_value(byte >> 4u) * x[xk + 2u * b + 1u];
+            }
+        }
+        acc = acc + sum * group_scale(scale0 + g);
+    }
+    let total = reduce(lid, acc);
+    if (lid == 0u) {
+        var v = total;
+        if (p.has_bias == 1u) {
+            v = v + bias[e * p.rows + r];
+        }
+        y[pair * p.out_stride + r] = v;
+    }
+}
+#endif

@@ -1,0 +1,195 @@
+//! wgpu instance, adapter choice and device creation with the adapter's real limits.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use wgpu::{Backends, DeviceType};
+
+use super::pipelines::PipelineCache;
+use crate::error::{Error, Result};
+
+/// Set to `1` to let picchio run on a software adapter (lavapipe, WARP) when no GPU is present.
+pub const ALLOW_SOFTWARE_ENV: &str = "PICCHIO_GPU_ALLOW_SOFTWARE";
+
+/// How to pick and configure the device.
+#[derive(Debug, Clone, Default)]
+pub struct GpuOptions {
+    /// Accept a CPU-emulated adapter when there is nothing better.
+    pub allow_software: bool,
+    /// Bind at most this many bytes per storage buffer (below the adapter's limit): tests use it to
+    /// force tensor splitting on small tensors.
+    pub max_binding_bytes: Option<u64>,
+}
+
+impl GpuOptions {
+    /// Defaults, with `allow_software` taken from `PICCHIO_GPU_ALLOW_SOFTWARE`.
+    pub fn from_env() -> GpuOptions {
+        GpuOptions {
+            allow_software: std::env::var(ALLOW_SOFTWARE_ENV).is_ok_and(|v| v == "1"),
+            max_binding_bytes: None,
+        }
+    }
+}
+
+/// What `picchio devices` shows of one adapter.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct AdapterReport {
+    pub name: String,
+    pub backend: String,
+    pub device_type: String,
+    pub driver: String,
+    pub driver_info: String,
+    pub max_storage_buffer_binding_size: u64,
+    pub max_buffer_size: u64,
+    pub max_storage_buffers_per_shader_stage: u32,
+    pub max_compute_workgroup_storage_size: u32,
+    pub max_compute_invocations_per_workgroup: u32,
+    pub shader_f16: bool,
+    pub subgroup: bool,
+    pub subgroup_sizes: (u32, u32),
+    pub timestamp_query: bool,
+}
+
+fn report(adapter: &wgpu::Adapter) -> AdapterReport {
+    let info = adapter.get_info();
+    let limits = adapter.limits();
+    let features = adapter.features();
+    AdapterReport {
+        name: info.name,
+        backend: format!("{:?}", info.backend),
+        device_type: format!("{:?}", info.device_type),
+        driver: info.driver,
+        driver_info: info.driver_info,
+        max_storage_buffer_binding_size: limits.max_storage_buffer_binding_size,
+        max_buffer_size: limits.max_buffer_size,
+        max_storage_buffers_per_shader_stage: limits.max_storage_buffers_per_shader_stage,
+        max_compute_workgroup_storage_size: limits.max_compute_workgroup_storage_size,
+        max_compute_invocations_per_workgroup: limits.max_compute_invocations_per_workgroup,
+        shader_f16: features.contains(wgpu::Features::SHADER_F16),
+        subgroup: features.contains(wgpu::Features::SUBGROUP),
+        subgroup_sizes: (info.subgroup_min_size, info.subgroup_max_size),
+        timestamp_query: features.contains(wgpu::Features::TIMESTAMP_QUERY),
+    }
+}
+
+fn instance() -> wgpu::Instance {
+    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
+    // Only the native compute backends: never a silent fallback to GL.
+    desc.backends = Backends::VULKAN | Backends::METAL | Backends::DX12;
+    wgpu::Instance::new(desc)
+}
+
+/// Every adapter wgpu finds, best first.
+pub fn list_adapters() -> Vec<AdapterReport> {
+    let mut adapters = pollster::block_on(instance().enumerate_adapters(Backends::all()));
+    adapters.sort_by_key(|a| preference(a.get_info().device_type));
+    adapters.iter().map(report).collect()
+}
+
+/// Lower is better: discrete, integrated, virtual, other, then CPU emulation.
+fn preference(kind: DeviceType) -> u8 {
+    match kind {
+        DeviceType::DiscreteGpu => 0,
+        DeviceType::IntegratedGpu => 1,
+        DeviceType::VirtualGpu => 2,
+        DeviceType::Other => 3,
+        DeviceType::Cpu => 4,
+    }
+}
+
+/// A device ready for picchio's kernels.
+pub struct GpuContext {
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    pub adapter: AdapterReport,
+    /// Bytes one storage binding may cover (tensors larger than this are split).
+    pub max_binding_bytes: u64,
+    pub max_buffer_bytes: u64,
+    pub max_workgroups_per_dimension: u32,
+    pub pipelines: PipelineCache,
+    lost: Arc<AtomicBool>,
+}
+
+impl GpuContext {
+    pub fn new(options: &GpuOptions) -> Result<GpuContext> {
+        let instance = instance();
+        let mut adapters = pollster::block_on(instance.enumerate_adapters(Backends::all()));
+        adapters.sort_by_key(|a| preference(a.get_info().device_type));
+        let found: Vec<String> = adapters.iter().map(|a| a.get_info().name).collect();
+        let adapter = adapters
+            .into_iter()
+            .find(|a| options.allow_software || a.get_info().device_type != DeviceType::Cpu)
+            .ok_or_else(|| {
+                Error::Gpu(if found.is_empty() {
+                    "no Vulkan, Metal or DX12 adapter found".to_string()
+                } else {
+                    format!(
+                        "only software adapters found ({}); set {ALLOW_SOFTWARE_ENV}=1 to use them",
+                        found.join(", ")
+                    )
+                })
+            })?;
+        let adapter_report = report(&adapter);
+        let limits = adapter.limits();
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("picchio"),
+            required_features: wgpu::Features::empty(),
+            // The adapter's real limits: the defaults (128-256 MiB bindings) are far too small.
+            required_limits: limits.clone(),
+            experimental_features: wgpu::ExperimentalFeatures::disabled(),
+            memory_hints: wgpu::MemoryHints::Performance,
+            trace: wgpu::Trace::Off,
+        }))
+        .map_err(|e| {
+            Error::Gpu(format!(
+                "{}: cannot create a device: {e}",
+                adapter_report.name
+            ))
+        })?;
+        let lost = Arc::new(AtomicBool::new(false));
+        let flag = lost.clone();
+        device.set_device_lost_callback(move |reason, message| {
+            log::warn!("GPU device lost ({reason:?}): {message}");
+            flag.store(true, Ordering::SeqCst);
+        });
+        // Binding sizes must stay multiples of 4 (u32 arrays) and of the offset alignment.
+        let align = limits.min_storage_buffer_offset_alignment as u64;
+        let mut max_binding = limits
+            .max_storage_buffer_binding_size
+            .min(limits.max_buffer_size);
+        if let Some(cap) = options.max_binding_bytes {
+            max_binding = max_binding.min(cap);
+        }
+        max_binding -= max_binding % align.max(4);
+        log::info!(
+            "GPU: {} ({}, {}), binding limit {} MiB",
+            adapter_report.name,
+            adapter_report.backend,
+            adapter_report.device_type,
+            max_binding >> 20
+        );
+        Ok(GpuContext {
+            pipelines: PipelineCache::default(),
+            device,
+            queue,
+            adapter: adapter_report,
+            max_binding_bytes: max_binding,
+            max_buffer_bytes: limits.max_buffer_size,
+            max_workgroups_per_dimension: limits.max_compute_workgroups_per_dimension,
+            lost,
+        })
+    }
+
+    /// True once the driver reported the device lost.
+    pub fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+
+    /// Waits for all submitted work.
+    pub fn wait(&self) -> Result<()> {
+        self.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map(|_| ())
+            .map_err(|e| Error::Gpu(format!("waiting for the device: {e}")))
+    }
+}

@@ -1,0 +1,315 @@
+//! Kernels prepared once and recorded many times: each `Dispatch` owns its pipeline, bind group,
+//! parameters and workgroup counts, so recording a forward pass creates no GPU objects.
+
+use std::sync::Arc;
+
+use super::GpuContext;
+use crate::error::{Error, Result};
+use crate::weights::{DenseMatrix, FloatFormat, Int4Experts, Mxfp4Experts};
+
+/// One prepared kernel launch.
+pub struct Dispatch {
+    pipeline: Arc<wgpu::ComputePipeline>,
+    bind_group: wgpu::BindGroup,
+    workgroups: [u32; 3],
+    /// Kept alive with the bind group that reads it.
+    _params: wgpu::Buffer,
+}
+
+impl Dispatch {
+    pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
+        pass.set_pipeline(&self.pipeline);
+        pass.set_bind_group(0, &self.bind_group, &[]);
+        pass.dispatch_workgroups(self.workgroups[0], self.workgroups[1], self.workgroups[2]);
+    }
+}
+
+fn u32_of(n: usize, what: &str) -> Result<u32> {
+    u32::try_from(n).map_err(|_| Error::Gpu(format!("{what} ({n}) does not fit a GPU index")))
+}
+
+impl GpuContext {
+    /// Builds a dispatch of `file`/`entry` with `defines`, binding `params` at 0 and `buffers`
+    /// at 1, 2, ...
+    pub fn prepare(
+        &self,
+        file: &'static str,
+        entry: &'static str,
+        defines: super::pipelines::Defines,
+        params: &[u32],
+        buffers: &[&wgpu::Buffer],
+        workgroups: [u32; 3],
+    ) -> Result<Dispatch> {
+        let limit = self.max_workgroups_per_dimension;
+        if workgroups.iter().any(|w| *w > limit) {
+            return Err(Error::Gpu(format!(
+                "{entry}: {workgroups:?} workgroups exceed the limit {limit}"
+            )));
+        }
+        let pipeline = self.pipelines.get(&self.device, file, entry, defines)?;
+        let params_buffer = self.uniform(entry, bytemuck::cast_slice(params));
+        let mut entries = vec![wgpu::BindGroupEntry {
+            binding: 0,
+            resource: params_buffer.as_entire_binding(),
+        }];
+        for (i, b) in buffers.iter().enumerate() {
+            entries.push(wgpu::BindGroupEntry {
+                binding: i as u32 + 1,
+                resource: b.as_entire_binding(),
+            });
+        }
+        let bind_group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some(entry),
+            layout: &pipeline.get_bind_group_layout(0),
+            entries: &entries,
+        });
+        Ok(Dispatch {
+            pipeline,
+            bind_group,
+            workgroups,
+            _params: params_buffer,
+        })
+    }
+
+    /// Workgroup counts (x, y) covering `n` rows with x at most the per-dimension limit.
+    fn row_groups(&self, n: usize) -> Result<(u32, u32)> {
+        let limit = self.max_workgroups_per_dimension as usize;
+        let x = n.clamp(1, limit);
+        Ok((u32_of(x, "rows")?, u32_of(n.div_ceil(x), "rows")?))
+    }
+}
+
+/// A dense `[rows, cols]` matrix on the GPU, split by rows into buffers that each fit one binding.
+pub struct GpuMatrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub format: FloatFormat,
+    /// (first row, rows, buffer)
+    pub chunks: Vec<(usize, usize, wgpu::Buffer)>,
+}
+
+/// Splits `count` units of `unit_bytes` each into runs that fit `max_bytes` (at least one unit).
+fn split(
+    count: usize,
+    unit_bytes: usize,
+    max_bytes: u64,
+    what: &str,
+) -> Result<Vec<(usize, usize)>> {
+    let per = (max_bytes as usize / unit_bytes.max(1)).min(count.max(1));
+    if per == 0 {
+        return Err(Error::Gpu(format!(
+            "{what}: one unit of {unit_bytes} bytes exceeds the binding limit of {max_bytes} bytes"
+        )));
+    }
+    Ok((0..count)
+        .step_by(per)
+        .map(|first| (first, per.min(count - first)))
+        .collect())
+}
+
+impl GpuMatrix {
+    pub fn upload(ctx: &GpuContext, name: &str, m: &DenseMatrix) -> Result<GpuMatrix> {
+        let row_bytes = m.cols * m.format.size();
+        let chunks = split(m.rows, row_bytes, ctx.max_binding_bytes, name)?
+            .into_iter()
+            .map(|(first, rows)| {
+                let bytes = &m.data.bytes()[first * row_bytes..(first + rows) * row_bytes];
+                (first, rows, ctx.upload(name, bytes))
+            })
+            .collect();
+        Ok(GpuMatrix {
+            rows: m.rows,
+            cols: m.cols,
+            format: m.format,
+            chunks,
+        })
+    }
+
+    /// `y[t][r] = W[r] . x[t] + bias[r]` for `tokens` rows of `x` (row stride `cols`); `y` has
+    /// row stride `rows`. One dispatch per chunk.
+    pub fn prepare(
+        &self,
+        ctx: &GpuContext,
+        x: &wgpu::Buffer,
+        tokens: usize,
+        bias: Option<&wgpu::Buffer>,
+        y: &wgpu::Buffer,
+        dummy: &wgpu::Buffer,
+    ) -> Result<Vec<Dispatch>> {
+        let format = match self.format {
+            FloatFormat::Bf16 => "BF16",
+            FloatFormat::F16 => "F16",
+            FloatFormat::F32 => "F32",
+        };
+        let defines = [("DENSE", "1".to_string()), (format, "1".to_string())];
+        self.chunks
+            .iter()
+            .map(|(first, rows, buffer)| {
+                let (gx, gy) = ctx.row_groups(*rows)?;
+                let params = [
+                    u32_of(*rows, "rows")?,
+                    u32_of(self.cols, "cols")?,
+                    u32_of(*first, "row offset")?,
+                    u32_of(self.rows, "rows")?,
+                    u32_of(self.cols, "cols")?,
+                    bias.is_some() as u32,
+                    gx,
+                    0,
+                    0,
+                    1,
+                    0,
+                    0,
+                ];
+                let buffers = [buffer, x, bias.unwrap_or(dummy), y];
+                ctx.prepare(
+                    "matmul.wgsl",
+                    "dense",
+                    &defines,
+                    &params,
+                    &buffers,
+                    [gx, gy, u32_of(tokens, "tokens")?],
+                )
+            })
+            .collect()
+    }
+}
+
+/// Quantized experts of one projection on the GPU, split by experts to fit binding limits.
+pub struct GpuExperts {
+    pub experts: usize,
+    pub rows: usize,
+    pub cols: usize,
+    format: &'static str,
+    /// (first expert, experts, weights, scales)
+    chunks: Vec<(usize, usize, wgpu::Buffer, wgpu::Buffer)>,
+}
+
+impl GpuExperts {
+    fn upload_packed(
+        ctx: &GpuContext,
+        name: &str,
+        format: &'static str,
+        (experts, rows, cols): (usize, usize, usize),
+        packed: &[u8],
+        scales: &[u8],
+    ) -> Result<GpuExperts> {
+        let expert_bytes = rows * cols / 2;
+        let scale_bytes = scales.len() / experts;
+        let chunks = split(
+            experts,
+            expert_bytes.max(scale_bytes),
+            ctx.max_binding_bytes,
+            name,
+        )?
+        .into_iter()
+        .map(|(first, n)| {
+            let w = &packed[first * expert_bytes..(first + n) * expert_bytes];
+            let s = &scales[first * scale_bytes..(first + n) * scale_bytes];
+            (first, n, ctx.upload(name, w), ctx.upload(name, s))
+        })
+        .collect();
+        Ok(GpuExperts {
+            experts,
+            rows,
+            cols,
+            format,
+            chunks,
+        })
+    }
+
+    pub fn upload_mxfp4(ctx: &GpuContext, name: &str, m: &Mxfp4Experts) -> Result<GpuExperts> {
+        let shape = (m.experts, m.rows, m.cols);
+        Self::upload_packed(
+            ctx,
+            name,
+            "MXFP4",
+            shape,
+            m.blocks.bytes(),
+            m.scales.bytes(),
+        )
+    }
+
+    pub fn upload_int4(ctx: &GpuContext, name: &str, m: &Int4Experts) -> Result<GpuExperts> {
+        let shape = (m.experts, m.rows, m.cols);
+        Self::upload_packed(
+            ctx,
+            name,
+            "INT4",
+            shape,
+            m.qweight.bytes(),
+            m.scales.bytes(),
+        )
+    }
+
+    /// For each of `pairs` (token, slot) pairs `p`: `y[p] = W[ids[p]] . x[p / x_div] + bias[ids[p]]`
+    /// (`bias` is `[experts, rows]`). One dispatch per chunk; pairs routed to other chunks skip.
+    #[allow(clippy::too_many_arguments)]
+    pub fn prepare(
+        &self,
+        ctx: &GpuContext,
+        x: &wgpu::Buffer,
+        x_div: usize,
+        ids: &wgpu::Buffer,
+        pairs: usize,
+        bias: Option<&wgpu::Buffer>,
+        y: &wgpu::Buffer,
+        dummy: &wgpu::Buffer,
+    ) -> Result<Vec<Dispatch>> {
+        let defines = [("EXPERTS", "1".to_string()), (self.format, "1".to_string())];
+        let (gx, gy) = ctx.row_groups(self.rows)?;
+        self.chunks
+            .iter()
+            .map(|(first, n, weights, scales)| {
+                let params = [
+                    u32_of(self.rows, "rows")?,
+                    u32_of(self.cols, "cols")?,
+                    0,
+                    u32_of(self.rows, "rows")?,
+                    u32_of(self.cols, "cols")?,
+                    bias.is_some() as u32,
+                    gx,
+                    u32_of(*first, "expert")?,
+                    u32_of(*n, "experts")?,
+                    u32_of(x_div, "x_div")?,
+                    u32_of(pairs, "pairs")?,
+                    0,
+                ];
+                let buffers = [weights, x, bias.unwrap_or(dummy), y, scales, ids];
+                ctx.prepare(
+                    "matmul.wgsl",
+                    "experts",
+                    &defines,
+                    &params,
+                    &buffers,
+                    [gx, gy, u32_of(pairs, "pairs")?],
+                )
+            })
+            .collect()
+    }
+
+    pub fn chunk_count(&self) -> usize {
+        self.chunks.len()
+    }
+}
+
+/// RMSNorm of `rows` rows of `cols` values: `y = w * x / sqrt(mean(x^2) + eps)`.
+#[allow(clippy::too_many_arguments)]
+pub fn prepare_rms_norm(
+    ctx: &GpuContext,
+    x: &wgpu::Buffer,
+    w: &wgpu::Buffer,
+    rows: usize,
+    cols: usize,
+    eps: f32,
+    y: &wgpu::Buffer,
+) -> Result<Dispatch> {
+    let params = [u32_of(cols, "cols")?, eps.to_bits(), 0, 0];
+    ctx.prepare(
+        "norm.wgsl",
+        "rms_norm",
+        &[],
+        &params,
+        &[x, w, y],
+        [u32_of(rows, "rows")?, 1, 1],
+    )
+}
