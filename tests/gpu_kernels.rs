@@ -28,6 +28,26 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
         ],
     ),
     ("norm.wgsl", &[&[]]),
+    ("rope.wgsl", &[&[]]),
+    (
+        "attention.wgsl",
+        &[
+            &["STORE", "MAX_HEAD_DIM=64"],
+            &["ATTEND", "MAX_HEAD_DIM=64"],
+            &["ATTEND", "MAX_HEAD_DIM=256"],
+        ],
+    ),
+    ("moe.wgsl", &[&["ROUTE"], &["SWIGLU"], &["COMBINE"]]),
+    (
+        "elementwise.wgsl",
+        &[
+            &["ADD"],
+            &["EMBED", "BF16"],
+            &["EMBED", "F16"],
+            &["EMBED", "F32"],
+            &["ARGMAX"],
+        ],
+    ),
 ];
 
 /// Named tolerances (atol, rtol) per kernel family and format.
@@ -46,8 +66,14 @@ fn every_shader_variant_validates_with_naga() {
     for (file, variants) in VARIANTS {
         let source = SHADERS.iter().find(|(f, _)| f == file).unwrap().1;
         for defines in *variants {
-            let defines: Vec<(&str, String)> =
-                defines.iter().map(|d| (*d, "1".to_string())).collect();
+            // `NAME` alone means NAME=1.
+            let defines: Vec<(&str, String)> = defines
+                .iter()
+                .map(|d| match d.split_once('=') {
+                    Some((name, value)) => (name, value.to_string()),
+                    None => (*d, "1".to_string()),
+                })
+                .collect();
             let text = preprocess(file, source, &defines).unwrap();
             let module = naga::front::wgsl::parse_str(&text)
                 .unwrap_or_else(|e| panic!("{file} {defines:?}: {}", e.emit_to_string(&text)));
@@ -323,4 +349,312 @@ fn rms_norm_matches_cpu() {
         let (atol, rtol) = NORM_TOLERANCE;
         assert_close(&format!("rms_norm {rows}x{cols}"), &got, &want, atol, rtol);
     }
+}
+
+const ROPE_TOLERANCE: (f32, f32) = (1e-6, 1e-6);
+const ATTENTION_TOLERANCE: (f32, f32) = (1e-5, 1e-4);
+const ROUTER_WEIGHT_TOLERANCE: (f32, f32) = (1e-6, 1e-6);
+const SWIGLU_TOLERANCE: (f32, f32) = (1e-5, 1e-5);
+const COMBINE_TOLERANCE: (f32, f32) = (1e-6, 1e-6);
+
+fn rope_config(head_dim: usize) -> picchio::Config {
+    let text = format!(
+        r#"{{"head_dim": {head_dim}, "num_attention_heads": 4, "num_key_value_heads": 2}}"#
+    );
+    picchio::Config::from_json(&text, std::path::Path::new("test")).unwrap()
+}
+
+#[test]
+fn rope_matches_cpu() {
+    let Some(ctx) = gpu(None) else { return };
+    for (head_dim, heads, start, tokens) in [(16, 3, 0, 4), (64, 8, 1000, 2), (64, 64, 4095, 1)] {
+        let rope = cpu::rope::RopeTable::new(&rope_config(head_dim));
+        let x = values(tokens * heads * head_dim, 3);
+        let mut want = x.clone();
+        let (mut cos, mut sin) = (Vec::new(), Vec::new());
+        for t in 0..tokens {
+            let (c, s) = rope.cos_sin(start + t);
+            rope.apply(
+                &mut want[t * heads * head_dim..(t + 1) * heads * head_dim],
+                &c,
+                &s,
+            );
+            cos.extend(c);
+            sin.extend(s);
+        }
+        let (xb, cb, sb) = (
+            ctx.upload_f32("x", &x),
+            ctx.upload_f32("cos", &cos),
+            ctx.upload_f32("sin", &sin),
+        );
+        let d = picchio::gpu::kernels::prepare_rope(&ctx, &xb, (tokens, heads, head_dim), &cb, &sb)
+            .unwrap();
+        ctx.run(&[&d]).unwrap();
+        let got = ctx.read_f32(&xb, x.len()).unwrap();
+        let (atol, rtol) = ROPE_TOLERANCE;
+        assert_close(
+            &format!("rope D{head_dim} x{heads} at {start}"),
+            &got,
+            &want,
+            atol,
+            rtol,
+        );
+    }
+}
+
+/// Attention of `tokens` queries at positions start.. against keys 0..start+tokens, on the GPU
+/// (cache written by the store kernel in two steps, ring when windowed) and on the CPU.
+fn check_attention(
+    ctx: &GpuContext,
+    (heads, kv_heads, head_dim): (usize, usize, usize),
+    start: usize,
+    tokens: usize,
+    window: Option<usize>,
+) {
+    use picchio::gpu::kernels::{AttentionShape, prepare_attention, prepare_kv_store};
+    let kv_dim = kv_heads * head_dim;
+    let total = start + tokens;
+    let q: Vec<f32> = values(tokens * heads * head_dim, 11)
+        .iter()
+        .map(|v| v * 2.0)
+        .collect();
+    let k: Vec<f32> = values(total * kv_dim, 12).iter().map(|v| v * 2.0).collect();
+    let v = values(total * kv_dim, 13);
+    let sinks: Vec<f32> = values(heads, 14);
+    let layout = cpu::attention::HeadLayout {
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim,
+    };
+    let scaling = (head_dim as f64).powf(-0.5) as f32;
+    let mut want = vec![0f32; tokens * heads * head_dim];
+    for t in 0..tokens {
+        let position = start + t;
+        let keys = cpu::attention::first_visible_key(position, window)..=position;
+        let kv = |j: usize| {
+            (
+                &k[j * kv_dim..(j + 1) * kv_dim],
+                &v[j * kv_dim..(j + 1) * kv_dim],
+            )
+        };
+        let out = &mut want[t * heads * head_dim..(t + 1) * heads * head_dim];
+        cpu::attention::attend(
+            layout,
+            &q[t * heads * head_dim..(t + 1) * heads * head_dim],
+            keys,
+            kv,
+            &sinks,
+            scaling,
+            out,
+        );
+    }
+
+    // Ring of window + block - 1 slots for sliding layers, everything for full ones.
+    let capacity = window.map_or(total, |w| w + tokens.max(start) - 1);
+    let shape = AttentionShape {
+        num_heads: heads,
+        num_kv_heads: kv_heads,
+        head_dim,
+        capacity,
+        window,
+    };
+    let k_cache = ctx
+        .zeroed("k_cache", (capacity * kv_dim * 4) as u64)
+        .unwrap();
+    let v_cache = ctx
+        .zeroed("v_cache", (capacity * kv_dim * 4) as u64)
+        .unwrap();
+    let step = ctx.uniform("step", bytemuck::cast_slice(&[0u32; 4]));
+    // Past keys (positions 0..start) in one block, then the new block, as prefill then decode.
+    for (first, count) in [(0, start), (start, tokens)] {
+        if count == 0 {
+            continue;
+        }
+        ctx.queue
+            .write_buffer(&step, 0, bytemuck::cast_slice(&[first as u32, 0, 0, 0]));
+        let (kb, vb) = (
+            ctx.upload_f32("k", &k[first * kv_dim..(first + count) * kv_dim]),
+            ctx.upload_f32("v", &v[first * kv_dim..(first + count) * kv_dim]),
+        );
+        let d = prepare_kv_store(ctx, shape, count, &step, &kb, &vb, &k_cache, &v_cache).unwrap();
+        ctx.run(&[&d]).unwrap();
+    }
+    let (qb, sb, ob) = (
+        ctx.upload_f32("q", &q),
+        ctx.upload_f32("sinks", &sinks),
+        ctx.zeroed("out", (want.len() * 4) as u64).unwrap(),
+    );
+    let d =
+        prepare_attention(ctx, shape, tokens, &step, &qb, &k_cache, &v_cache, &sb, &ob).unwrap();
+    ctx.run(&[&d]).unwrap();
+    let got = ctx.read_f32(&ob, want.len()).unwrap();
+    let (atol, rtol) = ATTENTION_TOLERANCE;
+    let what = format!(
+        "attention {heads}x{head_dim} (kv {kv_heads}) at {start} x{tokens} window {window:?}"
+    );
+    let c = assert_close(&what, &got, &want, atol, rtol);
+    eprintln!("{what}: max |error| {:e}", c.max_abs_error);
+}
+
+#[test]
+fn attention_matches_cpu() {
+    let Some(ctx) = gpu(None) else { return };
+    check_attention(&ctx, (4, 2, 16), 0, 5, None); // prefill from scratch
+    check_attention(&ctx, (4, 2, 16), 10, 3, Some(4)); // window crossed, ring
+    check_attention(&ctx, (6, 2, 32), 70, 1, Some(16)); // decode past two 64-key tiles
+    check_attention(&ctx, (2, 1, 96), 130, 2, None); // head_dim above 64, three tiles
+    // GPT-OSS shape: 64 heads of 64, 8 kv heads, decode with the 128-key window.
+    check_attention(&ctx, (64, 8, 64), 300, 1, Some(128));
+}
+
+#[test]
+fn router_top_k_matches_cpu() {
+    use picchio::gpu::kernels::prepare_route;
+    let Some(ctx) = gpu(None) else { return };
+    for (tokens, experts, k) in [(1, 4, 2), (5, 32, 4), (3, 128, 4), (2, 6, 6)] {
+        let mut logits = values(tokens * experts, 21);
+        logits[1] = logits[0]; // a tie: the lower id goes first
+        let (mut want_ids, mut want_weights) = (Vec::new(), Vec::new());
+        for row in logits.chunks(experts) {
+            let r = cpu::moe::route(row, k);
+            want_ids.extend(r.experts.iter().map(|e| *e as u32));
+            want_weights.extend(r.weights);
+        }
+        let lb = ctx.upload_f32("logits", &logits);
+        let (ib, wb) = (
+            ctx.zeroed("ids", (tokens * k * 4) as u64).unwrap(),
+            ctx.zeroed("w", (tokens * k * 4) as u64).unwrap(),
+        );
+        let d = prepare_route(&ctx, &lb, (tokens, experts, k), &ib, &wb).unwrap();
+        ctx.run(&[&d]).unwrap();
+        let ids: Vec<u32> =
+            bytemuck::pod_collect_to_vec(&ctx.read_back(&ib, (tokens * k * 4) as u64).unwrap());
+        assert_eq!(ids, want_ids, "route {tokens}x{experts} top-{k}");
+        let (atol, rtol) = ROUTER_WEIGHT_TOLERANCE;
+        assert_close(
+            "router weights",
+            &ctx.read_f32(&wb, tokens * k).unwrap(),
+            &want_weights,
+            atol,
+            rtol,
+        );
+    }
+}
+
+#[test]
+fn swiglu_and_combine_match_cpu() {
+    use picchio::gpu::kernels::{prepare_combine, prepare_swiglu};
+    let Some(ctx) = gpu(None) else { return };
+    let (rows, width) = (6, 40);
+    let gate_up: Vec<f32> = values(rows * 2 * width, 31)
+        .iter()
+        .map(|v| v * 12.0)
+        .collect();
+    let mut want = vec![0f32; rows * width];
+    cpu::moe::clamped_swiglu(&gate_up, 1.702, 7.0, &mut want);
+    let (gb, ab) = (
+        ctx.upload_f32("gate_up", &gate_up),
+        ctx.zeroed("act", (rows * width * 4) as u64).unwrap(),
+    );
+    let d = prepare_swiglu(&ctx, &gb, (rows, width), (1.702, 7.0), &ab).unwrap();
+    ctx.run(&[&d]).unwrap();
+    let (atol, rtol) = SWIGLU_TOLERANCE;
+    assert_close(
+        "swiglu",
+        &ctx.read_f32(&ab, rows * width).unwrap(),
+        &want,
+        atol,
+        rtol,
+    );
+
+    // combine: 2 tokens x top-3, experts listed out of id order.
+    let (tokens, k, hidden) = (2, 3, 24);
+    let ids: Vec<u32> = vec![5, 1, 3, 0, 7, 2];
+    let weights = [0.5f32, 0.3, 0.2, 0.6, 0.25, 0.15];
+    let down = values(tokens * k * hidden, 33);
+    let base = values(tokens * hidden, 34);
+    let mut want = base.clone();
+    for t in 0..tokens {
+        let mut order: Vec<usize> = (0..k).collect();
+        order.sort_by_key(|s| ids[t * k + s]);
+        let mut sum = vec![0f32; hidden];
+        for s in order {
+            for c in 0..hidden {
+                sum[c] += down[(t * k + s) * hidden + c] * weights[t * k + s];
+            }
+        }
+        for c in 0..hidden {
+            want[t * hidden + c] += sum[c];
+        }
+    }
+    let (ib, wb, db, hb) = (
+        ctx.upload("ids", bytemuck::cast_slice(&ids)),
+        ctx.upload_f32("w", &weights),
+        ctx.upload_f32("down", &down),
+        ctx.upload_f32("hidden", &base),
+    );
+    let d = prepare_combine(&ctx, (&ib, &wb, &db), (tokens, k, hidden), &hb).unwrap();
+    ctx.run(&[&d]).unwrap();
+    let (atol, rtol) = COMBINE_TOLERANCE;
+    assert_close(
+        "combine",
+        &ctx.read_f32(&hb, tokens * hidden).unwrap(),
+        &want,
+        atol,
+        rtol,
+    );
+}
+
+#[test]
+fn embedding_add_and_argmax_match_cpu() {
+    use picchio::gpu::kernels::{prepare_add, prepare_argmax};
+    for max_binding in [None, Some(256)] {
+        let Some(ctx) = gpu(max_binding) else { return };
+        for format in [FloatFormat::Bf16, FloatFormat::F16, FloatFormat::F32] {
+            let m = dense_matrix(50, 24, format, 41);
+            let ids = [7u32, 0, 49, 7];
+            let want: Vec<f32> = ids
+                .iter()
+                .flat_map(|&i| cpu::formats::decode_floats(format, m.row(i as usize)))
+                .collect();
+            let gm = GpuMatrix::upload(&ctx, "embed", &m).unwrap();
+            let (ib, yb) = (
+                ctx.upload("ids", bytemuck::cast_slice(&ids)),
+                ctx.zeroed("y", (want.len() * 4) as u64).unwrap(),
+            );
+            let ds = gm.prepare_embed(&ctx, &ib, ids.len(), &yb).unwrap();
+            ctx.run(&ds.iter().collect::<Vec<_>>()).unwrap();
+            // Gathering is exact.
+            assert_eq!(
+                ctx.read_f32(&yb, want.len()).unwrap(),
+                want,
+                "{format:?} in {} chunks",
+                gm.chunks.len()
+            );
+        }
+        let (x, y) = (values(1000, 51), values(1000, 52));
+        let (xb, yb) = (ctx.upload_f32("x", &x), ctx.upload_f32("y", &y));
+        ctx.run(&[&prepare_add(&ctx, &xb, &yb, 1000).unwrap()])
+            .unwrap();
+        let want: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+        assert_eq!(ctx.read_f32(&yb, 1000).unwrap(), want);
+    }
+    let Some(ctx) = gpu(None) else { return };
+    for (n, seed) in [(1, 1), (257, 2), (201088, 3)] {
+        let mut v = values(n, seed);
+        if n > 10 {
+            v[n - 1] = 5.0; // the maximum last, and a tie before it
+            v[3] = 5.0;
+            v[5] = f32::NAN;
+        }
+        let (vb, rb) = (ctx.upload_f32("v", &v), ctx.zeroed("r", 4).unwrap());
+        ctx.run(&[&prepare_argmax(&ctx, &vb, n, &rb).unwrap()])
+            .unwrap();
+        let got: Vec<u32> = bytemuck::pod_collect_to_vec(&ctx.read_back(&rb, 4).unwrap());
+        assert_eq!(got[0], cpu_argmax(&v), "argmax of {n}");
+    }
+}
+
+fn cpu_argmax(v: &[f32]) -> u32 {
+    picchio::model::sampler::argmax(v)
 }

@@ -313,3 +313,280 @@ pub fn prepare_rms_norm(
         [u32_of(rows, "rows")?, 1, 1],
     )
 }
+
+fn rows_of(n: usize, per_group: usize) -> Result<u32> {
+    u32_of(n.div_ceil(per_group).max(1), "elements")
+}
+
+/// Rotates `heads` heads of `tokens` rows of `x` in place with per-token `cos`/`sin` rows
+/// (`head_dim / 2` each, attention factor applied).
+pub fn prepare_rope(
+    ctx: &GpuContext,
+    x: &wgpu::Buffer,
+    (tokens, heads, head_dim): (usize, usize, usize),
+    cos: &wgpu::Buffer,
+    sin: &wgpu::Buffer,
+) -> Result<Dispatch> {
+    let params = [
+        u32_of(head_dim, "head_dim")?,
+        u32_of(heads, "heads")?,
+        u32_of(tokens, "tokens")?,
+        0,
+    ];
+    let groups = rows_of(tokens * heads * head_dim / 2, 64)?;
+    ctx.prepare(
+        "rope.wgsl",
+        "rope",
+        &[],
+        &params,
+        &[x, cos, sin],
+        [groups, 1, 1],
+    )
+}
+
+/// Shape of one layer's attention on the GPU.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionShape {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    /// Cache slots (positions modulo this).
+    pub capacity: usize,
+    /// Keys a query sees, itself included (`None` = all).
+    pub window: Option<usize>,
+}
+
+impl AttentionShape {
+    fn params(&self, tokens: usize) -> Result<[u32; 8]> {
+        let scaling = (self.head_dim as f64).powf(-0.5) as f32;
+        Ok([
+            u32_of(self.num_heads, "heads")?,
+            u32_of(self.num_kv_heads, "kv heads")?,
+            u32_of(self.head_dim, "head_dim")?,
+            u32_of(tokens, "tokens")?,
+            u32_of(self.capacity, "capacity")?,
+            u32_of(self.window.unwrap_or(0), "window")?,
+            scaling.to_bits(),
+            0,
+        ])
+    }
+
+    fn defines(&self, entry: &str) -> [(&'static str, String); 2] {
+        let max_head_dim = self.head_dim.div_ceil(64).max(1) * 64;
+        let switch = if entry == "store" { "STORE" } else { "ATTEND" };
+        [
+            (switch, "1".into()),
+            ("MAX_HEAD_DIM", max_head_dim.to_string()),
+        ]
+    }
+}
+
+/// Writes `tokens` keys/values (`[tokens, kv_dim]`) at positions `step.start + t` of the cache.
+#[allow(clippy::too_many_arguments)]
+pub fn prepare_kv_store(
+    ctx: &GpuContext,
+    shape: AttentionShape,
+    tokens: usize,
+    step: &wgpu::Buffer,
+    k_new: &wgpu::Buffer,
+    v_new: &wgpu::Buffer,
+    k_cache: &wgpu::Buffer,
+    v_cache: &wgpu::Buffer,
+) -> Result<Dispatch> {
+    let groups = rows_of(tokens * shape.num_kv_heads * shape.head_dim, 64)?;
+    let buffers = [step, k_new, v_new, k_cache, v_cache];
+    ctx.prepare(
+        "attention.wgsl",
+        "store",
+        &shape.defines("store"),
+        &shape.params(tokens)?,
+        &buffers,
+        [groups, 1, 1],
+    )
+}
+
+/// Attention of `tokens` queries at positions `step.start + t` over the cache, with sinks.
+#[allow(clippy::too_many_arguments)]
+pub fn prepare_attention(
+    ctx: &GpuContext,
+    shape: AttentionShape,
+    tokens: usize,
+    step: &wgpu::Buffer,
+    q: &wgpu::Buffer,
+    k_cache: &wgpu::Buffer,
+    v_cache: &wgpu::Buffer,
+    sinks: &wgpu::Buffer,
+    out: &wgpu::Buffer,
+) -> Result<Dispatch> {
+    let buffers = [step, q, k_cache, v_cache, sinks, out];
+    let workgroups = [
+        u32_of(tokens, "tokens")?,
+        u32_of(shape.num_heads, "heads")?,
+        1,
+    ];
+    ctx.prepare(
+        "attention.wgsl",
+        "attend",
+        &shape.defines("attend"),
+        &shape.params(tokens)?,
+        &buffers,
+        workgroups,
+    )
+}
+
+fn moe_params(
+    tokens: usize,
+    experts: usize,
+    top_k: usize,
+    width: usize,
+    alpha: f32,
+    limit: f32,
+) -> Result<[u32; 8]> {
+    Ok([
+        u32_of(tokens, "tokens")?,
+        u32_of(experts, "experts")?,
+        u32_of(top_k, "top_k")?,
+        u32_of(width, "width")?,
+        alpha.to_bits(),
+        limit.to_bits(),
+        0,
+        0,
+    ])
+}
+
+/// Top-k of `[tokens, experts]` router logits and a softmax over the k: `ids`, `weights`.
+pub fn prepare_route(
+    ctx: &GpuContext,
+    logits: &wgpu::Buffer,
+    (tokens, experts, top_k): (usize, usize, usize),
+    ids: &wgpu::Buffer,
+    weights: &wgpu::Buffer,
+) -> Result<Dispatch> {
+    let params = moe_params(tokens, experts, top_k, 0, 0.0, 0.0)?;
+    let defines = [("ROUTE", "1".to_string())];
+    ctx.prepare(
+        "moe.wgsl",
+        "route",
+        &defines,
+        &params,
+        &[logits, ids, weights],
+        [rows_of(tokens, 64)?, 1, 1],
+    )
+}
+
+/// Clamped SwiGLU of `rows` interleaved gate/up rows of `2 * width` into `[rows, width]`.
+pub fn prepare_swiglu(
+    ctx: &GpuContext,
+    gate_up: &wgpu::Buffer,
+    (rows, width): (usize, usize),
+    (alpha, limit): (f32, f32),
+    act: &wgpu::Buffer,
+) -> Result<Dispatch> {
+    let params = moe_params(rows, 0, 0, width, alpha, limit)?;
+    let defines = [("SWIGLU", "1".to_string())];
+    ctx.prepare(
+        "moe.wgsl",
+        "swiglu",
+        &defines,
+        &params,
+        &[gate_up, act],
+        [rows_of(rows * width, 64)?, 1, 1],
+    )
+}
+
+/// `hidden[t] += sum_s weights[t, s] * down[t * top_k + s]`, experts in ascending id order.
+pub fn prepare_combine(
+    ctx: &GpuContext,
+    (ids, weights, down): (&wgpu::Buffer, &wgpu::Buffer, &wgpu::Buffer),
+    (tokens, top_k, width): (usize, usize, usize),
+    hidden: &wgpu::Buffer,
+) -> Result<Dispatch> {
+    let params = moe_params(tokens, 0, top_k, width, 0.0, 0.0)?;
+    let defines = [("COMBINE", "1".to_string())];
+    let groups = rows_of(tokens * width, 64)?;
+    ctx.prepare(
+        "moe.wgsl",
+        "combine",
+        &defines,
+        &params,
+        &[ids, weights, down, hidden],
+        [groups, 1, 1],
+    )
+}
+
+/// `y += x` over `count` values.
+pub fn prepare_add(
+    ctx: &GpuContext,
+    x: &wgpu::Buffer,
+    y: &wgpu::Buffer,
+    count: usize,
+) -> Result<Dispatch> {
+    let params = [u32_of(count, "count")?, 0, 0, 0];
+    let defines = [("ADD", "1".to_string())];
+    ctx.prepare(
+        "elementwise.wgsl",
+        "add",
+        &defines,
+        &params,
+        &[x, y],
+        [rows_of(count, 256)?, 1, 1],
+    )
+}
+
+/// The index of the largest of `count` values into `result[0]` (first on ties).
+pub fn prepare_argmax(
+    ctx: &GpuContext,
+    values: &wgpu::Buffer,
+    count: usize,
+    result: &wgpu::Buffer,
+) -> Result<Dispatch> {
+    let params = [u32_of(count, "count")?, 0, 0, 0];
+    let defines = [("ARGMAX", "1".to_string())];
+    ctx.prepare(
+        "elementwise.wgsl",
+        "argmax",
+        &defines,
+        &params,
+        &[values, result],
+        [1, 1, 1],
+    )
+}
+
+impl GpuMatrix {
+    /// Gathers rows `token_ids[t]` of this matrix into `y` (`[tokens, cols]` f32); one dispatch per
+    /// chunk, each writing the tokens whose row it holds.
+    pub fn prepare_embed(
+        &self,
+        ctx: &GpuContext,
+        token_ids: &wgpu::Buffer,
+        tokens: usize,
+        y: &wgpu::Buffer,
+    ) -> Result<Vec<Dispatch>> {
+        let format = match self.format {
+            FloatFormat::Bf16 => "BF16",
+            FloatFormat::F16 => "F16",
+            FloatFormat::F32 => "F32",
+        };
+        let defines = [("EMBED", "1".to_string()), (format, "1".to_string())];
+        let groups = rows_of(tokens * self.cols, 256)?;
+        self.chunks
+            .iter()
+            .map(|(first, rows, buffer)| {
+                let params = [
+                    u32_of(self.cols, "cols")?,
+                    u32_of(tokens, "tokens")?,
+                    u32_of(*first, "row")?,
+                    u32_of(*rows, "rows")?,
+                ];
+                ctx.prepare(
+                    "elementwise.wgsl",
+                    "embed",
+                    &defines,
+                    &params,
+                    &[buffer, token_ids, y],
+                    [groups, 1, 1],
+                )
+            })
+            .collect()
+    }
+}

@@ -10,6 +10,16 @@ use crate::error::{Error, Result};
 pub const SHADERS: &[(&str, &str)] = &[
     ("matmul.wgsl", include_str!("../../shaders/matmul.wgsl")),
     ("norm.wgsl", include_str!("../../shaders/norm.wgsl")),
+    ("rope.wgsl", include_str!("../../shaders/rope.wgsl")),
+    (
+        "attention.wgsl",
+        include_str!("../../shaders/attention.wgsl"),
+    ),
+    ("moe.wgsl", include_str!("../../shaders/moe.wgsl")),
+    (
+        "elementwise.wgsl",
+        include_str!("../../shaders/elementwise.wgsl"),
+    ),
 ];
 
 /// Compile-time variant switches: `#if NAME` / `#else` / `#endif` blocks and `{{NAME}}` tokens.

@@ -1,0 +1,142 @@
+// Causal attention with per-head sinks and an optional sliding window, over a KV cache on the GPU.
+//
+// Entry `store`: copies the block's keys/values ([tokens, kv_dim]) into the cache slots
+//   (position % capacity). Sliding layers keep a ring of at least window + block - 1 slots, so
+//   no key a query of the block needs is overwritten.
+// Entry `attend`: one workgroup per (query, head). Keys are visited in tiles of 64 with an online
+//   softmax (running max and sum, rescaled accumulators); the sink joins as one more logit with no
+//   value. Query position = step.start + t; keys j with j <= position and position - j < window.
+
+const WG: u32 = 64u;
+const MAX_HEAD_DIM: u32 = {{MAX_HEAD_DIM}}u;
+const PER_THREAD: u32 = MAX_HEAD_DIM / WG;
+const NEG: f32 = -3.0e38;
+
+struct Params {
+    num_heads: u32,
+    num_kv_heads: u32,
+    head_dim: u32,
+    tokens: u32,
+    capacity: u32,      // cache slots
+    window: u32,        // keys a query sees (0 = all)
+    scaling: f32,
+    pad: u32,
+}
+
+// Per-step values written by the host before each submission.
+struct Step {
+    start: u32,         // position of the block's first token
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<uniform> step: Step;
+#if STORE
+@group(0) @binding(2) var<storage, read> k_new: array<f32>;
+@group(0) @binding(3) var<storage, read> v_new: array<f32>;
+@group(0) @binding(4) var<storage, read_write> k_cache: array<f32>;
+@group(0) @binding(5) var<storage, read_write> v_cache: array<f32>;
+
+@compute @workgroup_size(64)
+fn store(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let kv_dim = p.num_kv_heads * p.head_dim;
+    let index = gid.x;
+    if (index >= p.tokens * kv_dim) {
+        return;
+    }
+    let t = index / kv_dim;
+    let slot = (step.start + t) % p.capacity;
+    let d = index % kv_dim;
+    k_cache[slot * kv_dim + d] = k_new[index];
+    v_cache[slot * kv_dim + d] = v_new[index];
+}
+#endif
+
+#if ATTEND
+@group(0) @binding(2) var<storage, read> q: array<f32>;
+@group(0) @binding(3) var<storage, read> k_cache: array<f32>;
+@group(0) @binding(4) var<storage, read> v_cache: array<f32>;
+@group(0) @binding(5) var<storage, read> sinks: array<f32>;
+@group(0) @binding(6) var<storage, read_write> out: array<f32>;
+
+var<workgroup> q_local: array<f32, MAX_HEAD_DIM>;
+var<workgroup> scores: array<f32, WG>;
+
+@compute @workgroup_size(64)
+fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let t = wg.x;
+    let h = wg.y;
+    let d = p.head_dim;
+    let kv_dim = p.num_kv_heads * d;
+    let g = h / (p.num_heads / p.num_kv_heads);
+    let position = step.start + t;
+    var first = 0u;
+    if (p.window > 0u && position + 1u > p.window) {
+        first = position + 1u - p.window;
+    }
+    for (var i = lid; i < d; i = i + WG) {
+        q_local[i] = q[(t * p.num_heads + h) * d + i];
+    }
+    workgroupBarrier();
+
+    var m = NEG;            // running max
+    var l = 0.0;            // running sum of exp(score - m)
+    var acc: array<f32, PER_THREAD>;
+    for (var k = 0u; k < PER_THREAD; k = k + 1u) {
+        acc[k] = 0.0;
+    }
+    let tiles = (position + 1u - first + WG - 1u) / WG;
+    for (var tile = 0u; tile < tiles; tile = tile + 1u) {
+        let j0 = first + tile * WG;
+        let j = j0 + lid;
+        var s = NEG;
+        if (j <= position) {
+            let kb = (j % p.capacity) * kv_dim + g * d;
+            var dot = 0.0;
+            for (var i = 0u; i < d; i = i + 1u) {
+                dot = dot + q_local[i] * k_cache[kb + i];
+            }
+            s = dot * p.scaling;
+        }
+        scores[lid] = s;
+        workgroupBarrier();
+        var tile_max = NEG;
+        for (var i = 0u; i < WG; i = i + 1u) {
+            tile_max = max(tile_max, scores[i]);
+        }
+        let new_m = max(m, tile_max);
+        let rescale = exp(m - new_m);
+        l = l * rescale;
+        for (var k = 0u; k < PER_THREAD; k = k + 1u) {
+            acc[k] = acc[k] * rescale;
+        }
+        let count = min(WG, position + 1u - j0);
+        for (var i = 0u; i < count; i = i + 1u) {
+            let e = exp(scores[i] - new_m);
+            l = l + e;
+            let vb = ((j0 + i) % p.capacity) * kv_dim + g * d;
+            for (var k = 0u; k < PER_THREAD; k = k + 1u) {
+                let dim = lid + k * WG;
+                if (dim < d) {
+                    acc[k] = acc[k] + e * v_cache[vb + dim];
+                }
+            }
+        }
+        m = new_m;
+        workgroupBarrier();
+    }
+    // The sink: one more logit, no value.
+    let sink = sinks[h];
+    let final_m = max(m, sink);
+    let rescale = exp(m - final_m);
+    let denominator = l * rescale + exp(sink - final_m);
+    for (var k = 0u; k < PER_THREAD; k = k + 1u) {
+        let dim = lid + k * WG;
+        if (dim < d) {
+            out[(t * p.num_heads + h) * d + dim] = acc[k] * rescale / denominator;
+        }
+    }
+}
+#endif

@@ -1,0 +1,109 @@
+// Small kernels over whole rows.
+//
+// Entry `add`: y += x.
+// Entry `embed`: rows of an embedding matrix chunk (bf16/f16/f32 words, rows
+//   [row_first, row_first + rows)) gathered for the tokens whose id falls in the chunk.
+// Entry `argmax`: the index of the largest of `count` values (the first on ties; NaN never wins),
+//   one workgroup.
+
+const WG: u32 = 256u;
+
+struct Params {
+    count: u32,         // elements (add), hidden size (embed), values (argmax)
+    tokens: u32,
+    row_first: u32,
+    rows: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+
+#if ADD
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(2) var<storage, read_write> y: array<f32>;
+
+@compute @workgroup_size(256)
+fn add(@builtin(global_invocation_id) gid: vec3<u32>) {
+    if (gid.x < p.count) {
+        y[gid.x] = y[gid.x] + x[gid.x];
+    }
+}
+#endif
+
+#if EMBED
+@group(0) @binding(1) var<storage, read> table: array<u32>;
+@group(0) @binding(2) var<storage, read> token_ids: array<u32>;
+@group(0) @binding(3) var<storage, read_write> y: array<f32>;
+
+fn value(i: u32) -> f32 {
+#if BF16
+    let word = table[i >> 1u];
+    return bitcast<f32>(select(word << 16u, word & 0xffff0000u, (i & 1u) == 1u));
+#endif
+#if F16
+    let pair = unpack2x16float(table[i >> 1u]);
+    return select(pair.x, pair.y, (i & 1u) == 1u);
+#endif
+#if F32
+    return bitcast<f32>(table[i]);
+#endif
+}
+
+@compute @workgroup_size(256)
+fn embed(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let index = gid.x;
+    if (index >= p.tokens * p.count) {
+        return;
+    }
+    let t = index / p.count;
+    let c = index % p.count;
+    let id = token_ids[t];
+    if (id >= p.row_first && id < p.row_first + p.rows) {
+        y[index] = value((id - p.row_first) * p.count + c);
+    }
+}
+#endif
+
+#if ARGMAX
+@group(0) @binding(1) var<storage, read> values: array<f32>;
+@group(0) @binding(2) var<storage, read_write> result: array<u32>;
+
+var<workgroup> best_values: array<f32, WG>;
+var<workgroup> best_ids: array<u32, WG>;
+
+// a beats b: larger, or equal with a lower index; NaN never beats a number.
+fn beats(va: f32, ia: u32, vb: f32, ib: u32) -> bool {
+    if (ia == 0xffffffffu) {
+        return false;
+    }
+    if (ib == 0xffffffffu) {
+        return true;
+    }
+    return va > vb || (va == vb && ia < ib) || (vb != vb && va == va);
+}
+
+@compute @workgroup_size(256)
+fn argmax(@builtin(local_invocation_index) lid: u32) {
+    var bv = 0.0;
+    var bi = 0xffffffffu;
+    for (var i = lid; i < p.count; i = i + WG) {
+        let v = values[i];
+        if (beats(v, i, bv, bi)) {
+            bv = v;
+            bi = i;
+        }
+    }
+    best_values[lid] = bv;
+    best_ids[lid] = bi;
+    workgroupBarrier();
+    for (var stride = WG / 2u; stride > 0u; stride = stride / 2u) {
+        if (lid < stride && beats(best_values[lid + stride], best_ids[lid + stride], best_values[lid], best_ids[lid])) {
+            best_values[lid] = best_values[lid + stride];
+            best_ids[lid] = best_ids[lid + stride];
+        }
+        workgroupBarrier();
+    }
+    if (lid == 0u) {
+        result[0] = select(best_ids[0], 0u, best_ids[0] == 0xffffffffu);
+    }
+}
+#endif
