@@ -5,6 +5,9 @@
 //   [row_first, row_first + rows)) gathered for the tokens whose id falls in the chunk.
 // Entry `argmax`: the index of the largest of `count` values (the first on ties; NaN never wins),
 //   one workgroup.
+// Entry `top_k`: the `rows` (= k) largest of `count` values, largest first (lower index first on
+//   ties, NaN skipped), as result[2s] = index, result[2s + 1] = bits of the value; one workgroup.
+//   Greedy decoding reads back just these few words, not the vocabulary.
 
 const WG: u32 = 256u;
 
@@ -63,7 +66,7 @@ fn embed(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 #endif
 
-#if ARGMAX
+#if SELECT
 @group(0) @binding(1) var<storage, read> values: array<f32>;
 @group(0) @binding(2) var<storage, read_write> result: array<u32>;
 
@@ -104,6 +107,52 @@ fn argmax(@builtin(local_invocation_index) lid: u32) {
     }
     if (lid == 0u) {
         result[0] = select(best_ids[0], 0u, best_ids[0] == 0xffffffffu);
+    }
+}
+var<workgroup> previous_value: f32;
+var<workgroup> previous_id: u32;
+
+// (va, ia) comes after (vb, ib) in the order: value descending, then index ascending.
+fn after(va: f32, ia: u32, vb: f32, ib: u32) -> bool {
+    return ib == 0xffffffffu || va < vb || (va == vb && ia > ib);
+}
+
+@compute @workgroup_size(256)
+fn top_k(@builtin(local_invocation_index) lid: u32) {
+    if (lid == 0u) {
+        previous_value = 0.0;
+        previous_id = 0xffffffffu;
+    }
+    workgroupBarrier();
+    for (var s = 0u; s < p.rows; s = s + 1u) {
+        let pv = previous_value;
+        let pi = previous_id;
+        var bv = 0.0;
+        var bi = 0xffffffffu;
+        for (var i = lid; i < p.count; i = i + WG) {
+            let v = values[i];
+            if (v == v && after(v, i, pv, pi) && beats(v, i, bv, bi)) {
+                bv = v;
+                bi = i;
+            }
+        }
+        best_values[lid] = bv;
+        best_ids[lid] = bi;
+        workgroupBarrier();
+        for (var stride = WG / 2u; stride > 0u; stride = stride / 2u) {
+            if (lid < stride && beats(best_values[lid + stride], best_ids[lid + stride], best_values[lid], best_ids[lid])) {
+                best_values[lid] = best_values[lid + stride];
+                best_ids[lid] = best_ids[lid + stride];
+            }
+            workgroupBarrier();
+        }
+        if (lid == 0u) {
+            result[2u * s] = best_ids[0];
+            result[2u * s + 1u] = bitcast<u32>(best_values[0]);
+            previous_value = best_values[0];
+            previous_id = best_ids[0];
+        }
+        workgroupBarrier();
     }
 }
 #endif

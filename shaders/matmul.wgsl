@@ -2,6 +2,8 @@
 //
 // Entry `dense`: y[t][row_offset + r] = W[r] . x[t] + bias[row_offset + r] for a chunk of rows of a
 //   dense [out, in] matrix stored as bf16 (BF16), f16 (F16) or f32 (F32) words.
+// Entry `experts_unquantized`: the same for float experts stored [E, in, out] (transformers'
+//   orientation, as save_pretrained writes unquantized GPT-OSS), BF16/F16/F32.
 // Entry `experts`: for every (token, slot) pair p, with e = ids[p] the routed expert,
 //   y[p][r] = W[e][r] . x[p / x_div] + bias[e][r], for experts quantized as MXFP4 (MXFP4: E2M1
 //   nibbles, low nibble first, one E8M0 scale byte per 32 inputs) or group-scaled INT4 (INT4: signed
@@ -34,6 +36,9 @@ struct Params {
 @group(0) @binding(5) var<storage, read> scales: array<u32>;
 @group(0) @binding(6) var<storage, read> ids: array<u32>;
 #endif
+#if EXPERTS_UNQUANTIZED
+@group(0) @binding(5) var<storage, read> ids: array<u32>;
+#endif
 
 var<workgroup> partial: array<f32, WG>;
 var<workgroup> routed: u32;
@@ -50,20 +55,26 @@ fn reduce(lid: u32, value: f32) -> f32 {
     return partial[0];
 }
 
-#if DENSE
-fn weight(i: u32) -> f32 {
+// Element i of a float weight array (one of BF16, F16, F32 is defined for float weights).
 #if BF16
+fn weight(i: u32) -> f32 {
     let word = w[i >> 1u];
     return bitcast<f32>(select(word << 16u, word & 0xffff0000u, (i & 1u) == 1u));
+}
 #endif
 #if F16
+fn weight(i: u32) -> f32 {
     let pair = unpack2x16float(w[i >> 1u]);
     return select(pair.x, pair.y, (i & 1u) == 1u);
+}
 #endif
 #if F32
+fn weight(i: u32) -> f32 {
     return bitcast<f32>(w[i]);
-#endif
 }
+#endif
+
+#if DENSE
 
 @compute @workgroup_size(64)
 fn dense(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
@@ -148,6 +159,36 @@ fn experts(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
             }
         }
         acc = acc + sum * group_scale(scale0 + g);
+    }
+    let total = reduce(lid, acc);
+    if (lid == 0u) {
+        var v = total;
+        if (p.has_bias == 1u) {
+            v = v + bias[e * p.rows + r];
+        }
+        y[pair * p.out_stride + r] = v;
+    }
+}
+#endif
+
+#if EXPERTS_UNQUANTIZED
+@compute @workgroup_size(64)
+fn experts_unquantized(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r = wg.x + wg.y * p.groups_x;
+    let pair = wg.z;
+    if (lid == 0u) {
+        routed = ids[pair];
+    }
+    let e = workgroupUniformLoad(&routed);
+    if (r >= p.rows || e < p.expert_first || e >= p.expert_first + p.expert_count) {
+        return;
+    }
+    // Column r of expert e's [cols, rows] matrix.
+    let base = (e - p.expert_first) * p.cols * p.rows + r;
+    let xb = (pair / p.x_div) * p.x_stride;
+    var acc = 0.0;
+    for (var c = lid; c < p.cols; c = c + WG) {
+        acc = acc + weight(base + c * p.rows) * x[xb + c];
     }
     let total = reduce(lid, acc);
     if (lid == 0u) {

@@ -25,6 +25,9 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
             &["DENSE", "F32"],
             &["EXPERTS", "MXFP4"],
             &["EXPERTS", "INT4"],
+            &["EXPERTS_UNQUANTIZED", "BF16"],
+            &["EXPERTS_UNQUANTIZED", "F16"],
+            &["EXPERTS_UNQUANTIZED", "F32"],
         ],
     ),
     ("norm.wgsl", &[&[]]),
@@ -45,7 +48,7 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
             &["EMBED", "BF16"],
             &["EMBED", "F16"],
             &["EMBED", "F32"],
-            &["ARGMAX"],
+            &["SELECT"],
         ],
     ),
 ];
@@ -652,9 +655,88 @@ fn embedding_add_and_argmax_match_cpu() {
             .unwrap();
         let got: Vec<u32> = bytemuck::pod_collect_to_vec(&ctx.read_back(&rb, 4).unwrap());
         assert_eq!(got[0], cpu_argmax(&v), "argmax of {n}");
+        let k = n.min(10);
+        let rb = ctx.zeroed("r", (8 * k) as u64).unwrap();
+        ctx.run(&[&picchio::gpu::kernels::prepare_top_k(&ctx, &vb, n, k, &rb).unwrap()])
+            .unwrap();
+        let words: Vec<u32> =
+            bytemuck::pod_collect_to_vec(&ctx.read_back(&rb, (8 * k) as u64).unwrap());
+        let got: Vec<(u32, f32)> = words
+            .chunks(2)
+            .map(|w| (w[0], f32::from_bits(w[1])))
+            .collect();
+        let finite: Vec<f32> = v
+            .iter()
+            .map(|x| if x.is_nan() { f32::NEG_INFINITY } else { *x })
+            .collect();
+        assert_eq!(
+            got,
+            picchio::model::sampler::top_k(&finite, k),
+            "top-{k} of {n}"
+        );
     }
 }
 
 fn cpu_argmax(v: &[f32]) -> u32 {
     picchio::model::sampler::argmax(v)
+}
+
+#[test]
+fn unquantized_experts_match_cpu() {
+    use picchio::weights::DenseExperts;
+    for max_binding in [None, Some(8192)] {
+        let Some(ctx) = gpu(max_binding) else { return };
+        for format in [FloatFormat::Bf16, FloatFormat::F32] {
+            let (experts, inputs, outputs) = (3, 48, 40);
+            // [E, in, out] with the same bytes layout as a dense [E * in, out] matrix.
+            let m = dense_matrix(experts * inputs, outputs, format, 61);
+            let w = DenseExperts {
+                experts,
+                inputs,
+                outputs,
+                format,
+                data: m.data.clone(),
+            };
+            let ids = [2u32, 0, 1, 2];
+            let x = values(2 * inputs, 62);
+            let bias = values(experts * outputs, 63);
+            let mut want = vec![0f32; ids.len() * outputs];
+            for (p, &e) in ids.iter().enumerate() {
+                let e = e as usize;
+                let out = &mut want[p * outputs..(p + 1) * outputs];
+                let xs = &x[(p / 2) * inputs..(p / 2 + 1) * inputs];
+                cpu::matmul::dense_expert_matmul(
+                    &w,
+                    e,
+                    xs,
+                    Some(&bias[e * outputs..(e + 1) * outputs]),
+                    out,
+                );
+            }
+            let gw = GpuExperts::upload_unquantized(&ctx, "dense", &w).unwrap();
+            let (xb, bb, yb, ib, dummy) = (
+                ctx.upload_f32("x", &x),
+                ctx.upload_f32("bias", &bias),
+                ctx.zeroed("y", (want.len() * 4) as u64).unwrap(),
+                ctx.upload("ids", bytemuck::cast_slice(&ids)),
+                ctx.zeroed("dummy", 4).unwrap(),
+            );
+            let ds = gw
+                .prepare(&ctx, &xb, 2, &ib, ids.len(), Some(&bb), &yb, &dummy)
+                .unwrap();
+            ctx.run(&ds.iter().collect::<Vec<_>>()).unwrap();
+            let (atol, rtol) = EXPERT_TOLERANCE;
+            let what = format!(
+                "unquantized {format:?} experts ({} chunks)",
+                gw.chunk_count()
+            );
+            assert_close(
+                &what,
+                &ctx.read_f32(&yb, want.len()).unwrap(),
+                &want,
+                atol,
+                rtol,
+            );
+        }
+    }
 }

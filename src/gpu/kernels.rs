@@ -5,7 +5,18 @@ use std::sync::Arc;
 
 use super::GpuContext;
 use crate::error::{Error, Result};
-use crate::weights::{DenseMatrix, FloatFormat, Int4Experts, Mxfp4Experts};
+use crate::weights::{
+    DenseExperts, DenseMatrix, ExpertMatrices, FloatFormat, Int4Experts, Mxfp4Experts,
+};
+
+/// The define naming a float storage format in the shaders.
+pub fn format_define(format: FloatFormat) -> &'static str {
+    match format {
+        FloatFormat::Bf16 => "BF16",
+        FloatFormat::F16 => "F16",
+        FloatFormat::F32 => "F32",
+    }
+}
 
 /// One prepared kernel launch.
 pub struct Dispatch {
@@ -136,11 +147,7 @@ impl GpuMatrix {
         y: &wgpu::Buffer,
         dummy: &wgpu::Buffer,
     ) -> Result<Vec<Dispatch>> {
-        let format = match self.format {
-            FloatFormat::Bf16 => "BF16",
-            FloatFormat::F16 => "F16",
-            FloatFormat::F32 => "F32",
-        };
+        let format = format_define(self.format);
         let defines = [("DENSE", "1".to_string()), (format, "1".to_string())];
         self.chunks
             .iter()
@@ -179,9 +186,10 @@ pub struct GpuExperts {
     pub experts: usize,
     pub rows: usize,
     pub cols: usize,
-    format: &'static str,
-    /// (first expert, experts, weights, scales)
-    chunks: Vec<(usize, usize, wgpu::Buffer, wgpu::Buffer)>,
+    /// Variant defines of the kernel that reads this format.
+    defines: [(&'static str, String); 2],
+    /// (first expert, experts, weights, scales: absent for unquantized experts)
+    chunks: Vec<(usize, usize, wgpu::Buffer, Option<wgpu::Buffer>)>,
 }
 
 impl GpuExperts {
@@ -205,16 +213,52 @@ impl GpuExperts {
         .map(|(first, n)| {
             let w = &packed[first * expert_bytes..(first + n) * expert_bytes];
             let s = &scales[first * scale_bytes..(first + n) * scale_bytes];
-            (first, n, ctx.upload(name, w), ctx.upload(name, s))
+            (first, n, ctx.upload(name, w), Some(ctx.upload(name, s)))
         })
         .collect();
         Ok(GpuExperts {
             experts,
             rows,
             cols,
-            format,
+            defines: [("EXPERTS", "1".into()), (format, "1".into())],
             chunks,
         })
+    }
+
+    /// Unquantized experts, `[E, in, out]` as transformers stores them.
+    pub fn upload_unquantized(
+        ctx: &GpuContext,
+        name: &str,
+        m: &DenseExperts,
+    ) -> Result<GpuExperts> {
+        let expert_bytes = m.inputs * m.outputs * m.format.size();
+        let bytes = m.data.bytes();
+        let chunks = split(m.experts, expert_bytes, ctx.max_binding_bytes, name)?
+            .into_iter()
+            .map(|(first, n)| {
+                let w = &bytes[first * expert_bytes..(first + n) * expert_bytes];
+                (first, n, ctx.upload(name, w), None)
+            })
+            .collect();
+        Ok(GpuExperts {
+            experts: m.experts,
+            rows: m.outputs,
+            cols: m.inputs,
+            defines: [
+                ("EXPERTS_UNQUANTIZED", "1".into()),
+                (format_define(m.format), "1".into()),
+            ],
+            chunks,
+        })
+    }
+
+    /// Uploads whatever expert format the checkpoint stores.
+    pub fn upload(ctx: &GpuContext, name: &str, m: &ExpertMatrices) -> Result<GpuExperts> {
+        match m {
+            ExpertMatrices::Mxfp4(m) => Self::upload_mxfp4(ctx, name, m),
+            ExpertMatrices::Int4(m) => Self::upload_int4(ctx, name, m),
+            ExpertMatrices::Dense(m) => Self::upload_unquantized(ctx, name, m),
+        }
     }
 
     pub fn upload_mxfp4(ctx: &GpuContext, name: &str, m: &Mxfp4Experts) -> Result<GpuExperts> {
@@ -255,8 +299,12 @@ impl GpuExperts {
         y: &wgpu::Buffer,
         dummy: &wgpu::Buffer,
     ) -> Result<Vec<Dispatch>> {
-        let defines = [("EXPERTS", "1".to_string()), (self.format, "1".to_string())];
         let (gx, gy) = ctx.row_groups(self.rows)?;
+        let entry = if self.defines[0].0 == "EXPERTS" {
+            "experts"
+        } else {
+            "experts_unquantized"
+        };
         self.chunks
             .iter()
             .map(|(first, n, weights, scales)| {
@@ -274,11 +322,15 @@ impl GpuExperts {
                     u32_of(pairs, "pairs")?,
                     0,
                 ];
-                let buffers = [weights, x, bias.unwrap_or(dummy), y, scales, ids];
+                let head = [weights, x, bias.unwrap_or(dummy), y];
+                let buffers: Vec<&wgpu::Buffer> = match scales {
+                    Some(scales) => head.into_iter().chain([scales, ids]).collect(),
+                    None => head.into_iter().chain([ids]).collect(),
+                };
                 ctx.prepare(
                     "matmul.wgsl",
-                    "experts",
-                    &defines,
+                    entry,
+                    &self.defines,
                     &params,
                     &buffers,
                     [gx, gy, u32_of(pairs, "pairs")?],
@@ -541,7 +593,7 @@ pub fn prepare_argmax(
     result: &wgpu::Buffer,
 ) -> Result<Dispatch> {
     let params = [u32_of(count, "count")?, 0, 0, 0];
-    let defines = [("ARGMAX", "1".to_string())];
+    let defines = [("SELECT", "1".to_string())];
     ctx.prepare(
         "elementwise.wgsl",
         "argmax",
@@ -562,11 +614,7 @@ impl GpuMatrix {
         tokens: usize,
         y: &wgpu::Buffer,
     ) -> Result<Vec<Dispatch>> {
-        let format = match self.format {
-            FloatFormat::Bf16 => "BF16",
-            FloatFormat::F16 => "F16",
-            FloatFormat::F32 => "F32",
-        };
+        let format = format_define(self.format);
         let defines = [("EMBED", "1".to_string()), (format, "1".to_string())];
         let groups = rows_of(tokens * self.cols, 256)?;
         self.chunks
@@ -589,4 +637,25 @@ impl GpuMatrix {
             })
             .collect()
     }
+}
+
+/// The `k` largest of `count` values, largest first, as `result[2s] = index`,
+/// `result[2s + 1] = value bits` (`2k` words).
+pub fn prepare_top_k(
+    ctx: &GpuContext,
+    values: &wgpu::Buffer,
+    count: usize,
+    k: usize,
+    result: &wgpu::Buffer,
+) -> Result<Dispatch> {
+    let params = [u32_of(count, "count")?, 0, 0, u32_of(k, "k")?];
+    let defines = [("SELECT", "1".to_string())];
+    ctx.prepare(
+        "elementwise.wgsl",
+        "top_k",
+        &defines,
+        &params,
+        &[values, result],
+        [1, 1, 1],
+    )
 }
