@@ -8,7 +8,9 @@ use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::json;
 
 use picchio::Model;
-use picchio::model::generate::{GenerateOptions, generate};
+use picchio::model::generate::{
+    BackendChoice, GenerateOptions, Session, generate_observed, open_session, validate_prompt,
+};
 use picchio::weights::{Checkpoint, tensor_format, tensor_role};
 
 #[derive(Parser)]
@@ -26,6 +28,20 @@ struct Cli {
 enum Backend {
     /// The CPU tier (the reference implementation).
     Cpu,
+    /// The GPU tier (wgpu: Vulkan, Metal, DX12); an error when there is no usable GPU.
+    Gpu,
+    /// A GPU when there is one and the model fits on it, else the CPU.
+    Auto,
+}
+
+impl From<Backend> for BackendChoice {
+    fn from(b: Backend) -> BackendChoice {
+        match b {
+            Backend::Cpu => BackendChoice::Cpu,
+            Backend::Gpu => BackendChoice::Gpu,
+            Backend::Auto => BackendChoice::Auto,
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -42,8 +58,11 @@ enum Command {
         #[arg(long, default_value_t = 32)]
         max_new_tokens: usize,
         /// Where the model runs.
-        #[arg(long, value_enum, default_value_t = Backend::Cpu)]
+        #[arg(long, value_enum, default_value_t = Backend::Auto)]
         backend: Backend,
+        /// Add run statistics to the JSON object (GPU submissions and readbacks per token).
+        #[arg(long)]
+        stats: bool,
         /// Print one JSON object instead of the plain id list.
         #[arg(long)]
         json: bool,
@@ -57,6 +76,20 @@ enum Command {
         /// Keep generating after an end-of-sequence token.
         #[arg(long)]
         ignore_eos: bool,
+    },
+    /// Run the CPU and GPU tiers on the same input and compare tokens, logits and routing.
+    Ab {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long, value_delimiter = ',', required = true, num_args = 1..)]
+        ids: Vec<u32>,
+        #[arg(long, default_value_t = 32)]
+        max_new_tokens: usize,
+        /// Print one JSON object instead of text.
+        #[arg(long)]
+        json: bool,
+        #[arg(long, value_name = "N")]
+        context: Option<usize>,
     },
     /// List the GPU adapters wgpu finds (best first), with backend, type, driver, limits and features.
     Devices {
@@ -94,6 +127,7 @@ fn run(cli: Cli) -> Result<()> {
             ids,
             max_new_tokens,
             backend,
+            stats,
             json,
             top_logits,
             context,
@@ -101,27 +135,33 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             // Load errors name the file and tensor already.
             let loaded = Model::load(&model)?;
-            let context = context.unwrap_or(loaded.config.max_position_embeddings);
-            if context == 0 {
-                bail!("--context must be at least 1");
-            }
+            let context = resolve_context(&loaded, context)?;
             log::info!(
-                "{}: {} layers, {} experts (top {}), backend {backend:?}",
+                "{}: {} layers, {} experts (top {})",
                 model.display(),
                 loaded.config.num_layers,
                 loaded.config.num_experts,
                 loaded.config.experts_per_token
             );
+            validate_prompt(&loaded.config, &ids, context)?;
+            let mut session = open_session(&loaded, backend.into(), context, top_logits)?;
+            let adapter = session.gpu().map(|g| g.ctx.adapter.clone());
             let options = GenerateOptions {
                 max_new_tokens,
                 top_logits,
                 stop_at_eos: !ignore_eos,
                 context,
             };
-            let out = generate(&loaded, &ids, &options)?;
+            // GPU counters at the end of the prefill and of the run: the decode phase's share.
+            let mut marks = Vec::new();
+            let out =
+                generate_observed(&mut session, &loaded.config, &ids, &options, &mut |s, _| {
+                    marks.push(s.gpu_counters())
+                })?;
+            let ran_on = session.backend();
             if let Some(rate) = out.decode_tokens_per_s() {
                 log::info!(
-                    "prefill {:.1} ms, decode {rate:.2} tokens/s",
+                    "{ran_on}: prefill {:.1} ms, decode {rate:.2} tokens/s",
                     out.prefill_ms
                 );
             }
@@ -135,15 +175,36 @@ fn run(cli: Cli) -> Result<()> {
                         json!({"id": s.id, "top": top, "margin": s.margin})
                     })
                     .collect();
-                let object = json!({
+                let mut object = json!({
                     "prompt_ids": out.prompt_ids,
                     "generated_ids": out.generated_ids,
                     "steps": steps,
-                    "backend": "cpu",
+                    "backend": ran_on,
+                    "adapter": adapter.as_ref().map(|a| a.name.clone()),
                     "prefill_ms": out.prefill_ms,
                     "decode_tokens_per_s": out.decode_tokens_per_s(),
                     "stop_reason": format!("{:?}", out.stop).to_lowercase(),
                 });
+                if stats {
+                    let gpu = match (adapter, marks.as_slice()) {
+                        (Some(a), [Some(prefill), Some(end)]) if ran_on == "gpu" => {
+                            let per_token = |n: u64| {
+                                (out.decode_tokens > 0).then(|| n as f64 / out.decode_tokens as f64)
+                            };
+                            json!({
+                                "adapter": a.name,
+                                "backend": a.backend,
+                                "device_type": a.device_type,
+                                "submits_per_token": per_token(end.submits - prefill.submits),
+                                "readbacks_per_token": per_token(end.readbacks - prefill.readbacks),
+                                "prefill_submits": prefill.submits,
+                                "prefill_readbacks": prefill.readbacks,
+                            })
+                        }
+                        _ => serde_json::Value::Null,
+                    };
+                    object["stats"] = json!({ "gpu": gpu });
+                }
                 println!("{object}");
             } else {
                 let ids: Vec<String> = out.generated_ids.iter().map(u32::to_string).collect();
@@ -151,9 +212,67 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
+        Command::Ab {
+            model,
+            ids,
+            max_new_tokens,
+            json,
+            context,
+        } => ab(&model, &ids, max_new_tokens, context, json),
         Command::Inspect { model, json } => inspect(&model, json),
         Command::Devices { json } => devices(json),
     }
+}
+
+fn resolve_context(model: &Model, context: Option<usize>) -> Result<usize> {
+    let context = context.unwrap_or(model.config.max_position_embeddings);
+    if context == 0 {
+        bail!("--context must be at least 1");
+    }
+    Ok(context)
+}
+
+/// `picchio ab`: both tiers on the same prompt; non-zero exit on any disagreement.
+fn ab(
+    dir: &std::path::Path,
+    ids: &[u32],
+    max_new_tokens: usize,
+    context: Option<usize>,
+    json: bool,
+) -> Result<()> {
+    let model = Model::load(dir)?;
+    let context = resolve_context(&model, context)?;
+    let report = picchio::model::ab::compare_tiers(&model, ids, max_new_tokens, context)?;
+    if json {
+        println!("{}", serde_json::to_string(&report)?);
+    } else {
+        println!("adapter: {} ({})", report.adapter, report.adapter_backend);
+        println!(
+            "tokens agreeing: {} of {}",
+            report.tokens_agreeing, report.steps
+        );
+        match &report.first_divergence {
+            Some(d) => println!(
+                "first divergence: step {}, cpu {} vs gpu {} (cpu top1-top2 margin {})",
+                d.step, d.cpu_id, d.gpu_id, d.margin
+            ),
+            None => println!("first divergence: none"),
+        }
+        println!(
+            "max |logit difference| (top-10, agreeing steps): {:e}",
+            report.max_logit_difference
+        );
+        for (l, a) in report.router_agreement.iter().enumerate() {
+            println!(
+                "layer {l}: router top-k agrees at {} of {} prompt positions",
+                a.agreeing, a.positions
+            );
+        }
+    }
+    if !report.agree() {
+        bail!("the CPU and GPU tiers disagree");
+    }
+    Ok(())
 }
 
 fn inspect(dir: &std::path::Path, json: bool) -> Result<()> {

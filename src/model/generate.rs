@@ -2,8 +2,10 @@
 
 use std::time::Instant;
 
-use super::Model;
+use super::gpu_tier::{GpuCounters, GpuModel};
 use super::sampler::{argmax, top_k};
+use super::{KvCache, Model};
+use crate::config::Config;
 use crate::error::{Error, Result};
 
 #[derive(Debug, Clone)]
@@ -53,11 +55,11 @@ impl Generation {
 }
 
 /// Checks a prompt against the model and the context before any work is done.
-pub fn validate_prompt(model: &Model, prompt: &[u32], context: usize) -> Result<()> {
+pub fn validate_prompt(config: &Config, prompt: &[u32], context: usize) -> Result<()> {
     if prompt.is_empty() {
         return Err(Error::EmptyPrompt);
     }
-    let vocab_size = model.config.vocab_size;
+    let vocab_size = config.vocab_size;
     if let Some((position, &id)) = prompt
         .iter()
         .enumerate()
@@ -78,7 +80,8 @@ pub fn validate_prompt(model: &Model, prompt: &[u32], context: usize) -> Result<
     Ok(())
 }
 
-fn step_of(logits: &[f32], top_logits: usize) -> Step {
+/// The next-token step from a full logits vector.
+pub fn step_of(logits: &[f32], top_logits: usize) -> Step {
     let best_two = top_k(logits, 2);
     let margin = match best_two.as_slice() {
         [a, b] => a.1 - b.1,
@@ -91,10 +94,229 @@ fn step_of(logits: &[f32], top_logits: usize) -> Step {
     }
 }
 
-/// Greedy decoding of up to `max_new_tokens` tokens after `prompt`.
+/// A model with its KV cache on one tier: feeds tokens, returns the next-token step.
+pub trait Session {
+    /// Runs `tokens` after what the session holds; returns the step chosen at the last position,
+    /// with its `top_logits` largest logits.
+    fn feed(&mut self, tokens: &[u32], top_logits: usize) -> Result<Step>;
+    /// Positions held.
+    fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Which tier runs now ("cpu" or "gpu").
+    fn backend(&self) -> &'static str;
+    /// GPU submissions and readbacks so far, when the GPU tier runs.
+    fn gpu_counters(&self) -> Option<GpuCounters> {
+        None
+    }
+}
+
+/// The CPU tier.
+pub struct CpuSession<'a> {
+    model: &'a Model,
+    cache: KvCache,
+}
+
+impl<'a> CpuSession<'a> {
+    pub fn new(model: &'a Model, context: usize) -> CpuSession<'a> {
+        CpuSession {
+            model,
+            cache: model.new_cache(context),
+        }
+    }
+}
+
+impl Session for CpuSession<'_> {
+    fn feed(&mut self, tokens: &[u32], top_logits: usize) -> Result<Step> {
+        let logits = self.model.forward(&mut self.cache, tokens, None)?;
+        Ok(step_of(&logits, top_logits))
+    }
+
+    fn len(&self) -> usize {
+        self.cache.len()
+    }
+
+    fn backend(&self) -> &'static str {
+        "cpu"
+    }
+}
+
+impl Session for GpuModel {
+    fn feed(&mut self, tokens: &[u32], top_logits: usize) -> Result<Step> {
+        GpuModel::feed(self, tokens, top_logits)
+    }
+
+    fn len(&self) -> usize {
+        GpuModel::len(self)
+    }
+
+    fn backend(&self) -> &'static str {
+        "gpu"
+    }
+
+    fn gpu_counters(&self) -> Option<GpuCounters> {
+        Some(self.counters)
+    }
+}
+
+/// The GPU tier while its device lives; if the device is lost, the CPU tier for the rest of the
+/// run (it replays the tokens seen so far to rebuild its cache).
+pub struct FallbackSession<'a> {
+    model: &'a Model,
+    context: usize,
+    gpu: Option<GpuModel>,
+    cpu: Option<CpuSession<'a>>,
+    history: Vec<u32>,
+}
+
+impl<'a> FallbackSession<'a> {
+    pub fn new(model: &'a Model, gpu: GpuModel, context: usize) -> FallbackSession<'a> {
+        FallbackSession {
+            model,
+            context,
+            gpu: Some(gpu),
+            cpu: None,
+            history: Vec::new(),
+        }
+    }
+
+    /// The CPU tier only.
+    pub fn cpu(model: &'a Model, context: usize) -> FallbackSession<'a> {
+        FallbackSession {
+            model,
+            context,
+            gpu: None,
+            cpu: None,
+            history: Vec::new(),
+        }
+    }
+
+    /// The GPU tier, while it runs.
+    pub fn gpu(&self) -> Option<&GpuModel> {
+        self.gpu.as_ref()
+    }
+
+    pub fn gpu_mut(&mut self) -> Option<&mut GpuModel> {
+        self.gpu.as_mut()
+    }
+}
+
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendChoice {
+    Cpu,
+    Gpu,
+    /// A GPU when there is one and the model fits on it, else the CPU.
+    Auto,
+}
+
+/// Opens a session on the chosen tier. `Gpu` fails with a clear error when there is no usable
+/// adapter or the model does not fit; `Auto` then runs on the CPU and says why in the log.
+pub fn open_session<'a>(
+    model: &'a Model,
+    choice: BackendChoice,
+    context: usize,
+    top_logits: usize,
+) -> Result<FallbackSession<'a>> {
+    if choice == BackendChoice::Cpu {
+        return Ok(FallbackSession::cpu(model, context));
+    }
+    let gpu = crate::gpu::GpuContext::new(&crate::gpu::GpuOptions::from_env()).and_then(|ctx| {
+        let options = crate::model::gpu_tier::GpuTierOptions {
+            context,
+            max_block: DEFAULT_GPU_BLOCK,
+            top_logits,
+        };
+        GpuModel::new(ctx, &model.config, &model.weights, options)
+    });
+    match (gpu, choice) {
+        (Ok(gpu), _) => {
+            log::info!(
+                "running on the GPU: {} ({})",
+                gpu.ctx.adapter.name,
+                gpu.ctx.adapter.backend
+            );
+            Ok(FallbackSession::new(model, gpu, context))
+        }
+        (Err(e), BackendChoice::Auto) => {
+            log::info!("running on the CPU tier ({e})");
+            Ok(FallbackSession::cpu(model, context))
+        }
+        (Err(e), _) => Err(e),
+    }
+}
+
+/// Prompt tokens the GPU tier runs per block.
+pub const DEFAULT_GPU_BLOCK: usize = 128;
+
+impl Session for FallbackSession<'_> {
+    fn feed(&mut self, tokens: &[u32], top_logits: usize) -> Result<Step> {
+        if let Some(gpu) = &mut self.gpu {
+            match gpu.feed(tokens, top_logits) {
+                Ok(step) => {
+                    self.history.extend_from_slice(tokens);
+                    return Ok(step);
+                }
+                Err(Error::Gpu(message)) if gpu.ctx.is_lost() => {
+                    log::warn!("{message}: continuing on the CPU tier for the rest of the run");
+                    self.gpu = None;
+                    let mut cpu = CpuSession::new(self.model, self.context);
+                    if !self.history.is_empty() {
+                        cpu.feed(&self.history, 0)?;
+                    }
+                    self.cpu = Some(cpu);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let cpu = self
+            .cpu
+            .get_or_insert_with(|| CpuSession::new(self.model, self.context));
+        let step = cpu.feed(tokens, top_logits)?;
+        self.history.extend_from_slice(tokens);
+        Ok(step)
+    }
+
+    fn len(&self) -> usize {
+        self.history.len()
+    }
+
+    fn backend(&self) -> &'static str {
+        if self.gpu.is_some() { "gpu" } else { "cpu" }
+    }
+
+    fn gpu_counters(&self) -> Option<GpuCounters> {
+        self.gpu.as_ref().map(|g| g.counters)
+    }
+}
+
+/// Greedy decoding of up to `max_new_tokens` tokens after `prompt` on the CPU tier.
 pub fn generate(model: &Model, prompt: &[u32], options: &GenerateOptions) -> Result<Generation> {
-    validate_prompt(model, prompt, options.context)?;
-    let mut cache = model.new_cache(options.context);
+    let mut session = CpuSession::new(model, options.context);
+    generate_with(&mut session, &model.config, prompt, options)
+}
+
+/// Greedy decoding on any session.
+pub fn generate_with(
+    session: &mut dyn Session,
+    config: &Config,
+    prompt: &[u32],
+    options: &GenerateOptions,
+) -> Result<Generation> {
+    generate_observed(session, config, prompt, options, &mut |_, _| {})
+}
+
+/// Like `generate_with`, calling `observe(session, phase_done)` after the prefill (`false`) and
+/// at the end (`true`), so callers can read counters per phase.
+pub fn generate_observed(
+    session: &mut dyn Session,
+    config: &Config,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    observe: &mut dyn FnMut(&dyn Session, bool),
+) -> Result<Generation> {
+    validate_prompt(config, prompt, options.context)?;
     let mut generation = Generation {
         prompt_ids: prompt.to_vec(),
         generated_ids: Vec::new(),
@@ -109,34 +331,35 @@ pub fn generate(model: &Model, prompt: &[u32], options: &GenerateOptions) -> Res
     }
 
     let started = Instant::now();
-    let mut logits = model.forward(&mut cache, prompt, None)?;
+    let mut step = session.feed(prompt, options.top_logits)?;
     generation.prefill_ms = started.elapsed().as_secs_f64() * 1000.0;
+    observe(&*session, false);
 
     let decode_started = Instant::now();
     loop {
-        let step = step_of(&logits, options.top_logits);
         let id = step.id;
         generation.generated_ids.push(id);
         generation.steps.push(step);
-        if options.stop_at_eos && model.config.eos_token_ids.contains(&id) {
+        if options.stop_at_eos && config.eos_token_ids.contains(&id) {
             generation.stop = StopReason::Eos;
             break;
         }
         if generation.generated_ids.len() >= options.max_new_tokens {
             break;
         }
-        if cache.len() >= cache.context() {
+        if session.len() >= options.context {
             log::warn!(
                 "context of {} positions is full after {} generated tokens; stopping (raise --context)",
-                cache.context(),
+                options.context,
                 generation.generated_ids.len()
             );
             generation.stop = StopReason::ContextFull;
             break;
         }
-        logits = model.forward(&mut cache, &[id], None)?;
+        step = session.feed(&[id], options.top_logits)?;
         generation.decode_tokens += 1;
     }
     generation.decode_ms = decode_started.elapsed().as_secs_f64() * 1000.0;
+    observe(&*session, true);
     Ok(generation)
 }
