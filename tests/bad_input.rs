@@ -223,7 +223,12 @@ fn good_input_still_works_through_the_cli() {
     assert!(ok, "{stderr}");
     let v: serde_json::Value =
         serde_json::from_str(stdout.trim()).expect("exactly one JSON object on stdout");
-    assert_eq!(v["backend"], "cpu");
+    // The default backend is auto: the GPU when there is a usable one, else the CPU.
+    match v["backend"].as_str() {
+        Some("gpu") => assert!(v["adapter"].is_string()),
+        Some("cpu") => assert!(v["adapter"].is_null()),
+        other => panic!("backend {other:?}"),
+    }
     assert_eq!(
         v["prompt_ids"].as_array().unwrap().len(),
         reference.prompt_ids.len()
@@ -241,4 +246,81 @@ fn good_input_still_works_through_the_cli() {
     assert!(ok, "{stderr}");
     assert!(stdout.contains("model.layers.3.mlp.experts.down_proj_blocks"));
     assert!(stdout.contains("experts (mxfp4"));
+}
+
+#[test]
+fn bad_input_is_rejected_the_same_way_with_the_gpu_backend() {
+    let dir = fixtures_dir().join("tiny-single");
+    let gpu = ["--backend", "gpu"];
+    rejects(
+        &dir,
+        "1,256,3",
+        &gpu,
+        &["token id 256", "vocab_size is 256"],
+    );
+    rejects(
+        &dir,
+        "1,2,3,4,5",
+        &[&gpu[..], &["--context", "4"]].concat(),
+        &["5 tokens", "context of 4"],
+    );
+    rejects(
+        Path::new("/nonexistent/model"),
+        "1,2",
+        &gpu,
+        &["/nonexistent/model"],
+    );
+    let name = "model.layers.1.self_attn.sinks";
+    let broken = rewritten_fixture(&dir, |ts| ts.retain(|t| t.name != name));
+    rejects(broken.path(), "1,2", &gpu, &[name, "missing"]);
+}
+
+#[test]
+fn gpu_backend_without_a_usable_adapter_is_a_clear_error() {
+    // Software adapters are refused unless allowed: with the permission removed, a machine whose
+    // only adapter is lavapipe (CI) has no usable GPU, and one with a real GPU runs on it.
+    let dir = fixtures_dir().join("tiny-single");
+    let d = dir.to_str().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_picchio"))
+        .args([
+            "generate",
+            "--model",
+            d,
+            "--ids",
+            "1,2",
+            "--max-new-tokens",
+            "2",
+            "--backend",
+            "gpu",
+        ])
+        .env_remove("PICCHIO_GPU_ALLOW_SOFTWARE")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    if !out.status.success() {
+        assert!(stderr.contains("GPU:"), "{stderr}");
+        assert!(stderr.contains("adapter"), "{stderr}");
+    }
+    // auto never fails for want of a GPU: it runs on the CPU tier instead.
+    let out = Command::new(env!("CARGO_BIN_EXE_picchio"))
+        .args([
+            "generate",
+            "--model",
+            d,
+            "--ids",
+            "1,2",
+            "--max-new-tokens",
+            "2",
+            "--backend",
+            "auto",
+        ])
+        .env_remove("PICCHIO_GPU_ALLOW_SOFTWARE")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

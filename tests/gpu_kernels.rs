@@ -8,12 +8,12 @@
 mod common;
 
 use picchio::cpu;
+use picchio::gpu::GpuContext;
 use picchio::gpu::kernels::{GpuExperts, GpuMatrix, prepare_rms_norm};
 use picchio::gpu::pipelines::{SHADERS, preprocess};
-use picchio::gpu::{GpuContext, GpuOptions};
 use picchio::weights::{DenseMatrix, FloatFormat, Int4Experts, Mxfp4Experts, TensorBytes};
 
-use common::assert_close;
+use common::{assert_close, gpu};
 
 /// Every shader file with the define sets picchio compiles it with.
 const VARIANTS: &[(&str, &[&[&str]])] = &[
@@ -87,31 +87,6 @@ fn every_shader_variant_validates_with_naga() {
             .validate(&module)
             .unwrap_or_else(|e| panic!("{file} {defines:?}: {e:?}"));
         }
-    }
-}
-
-/// The GPU for these tests, or None (with the reason printed) when there is none and CI did not
-/// ask for one.
-fn gpu(max_binding_bytes: Option<u64>) -> Option<GpuContext> {
-    let required = std::env::var("PICCHIO_REQUIRE_GPU").is_ok_and(|v| v == "1");
-    let mut options = GpuOptions::from_env();
-    options.max_binding_bytes = max_binding_bytes;
-    match GpuContext::new(&options) {
-        Ok(ctx) => {
-            eprintln!(
-                "GPU adapter: {} ({}, {})",
-                ctx.adapter.name, ctx.adapter.backend, ctx.adapter.device_type
-            );
-            if let Ok(expected) = std::env::var("PICCHIO_EXPECT_BACKEND") {
-                assert_eq!(ctx.adapter.backend, expected, "wrong wgpu backend");
-            }
-            Some(ctx)
-        }
-        Err(e) if !required => {
-            eprintln!("no GPU, GPU kernel test skipped: {e}");
-            None
-        }
-        Err(e) => panic!("PICCHIO_REQUIRE_GPU=1 but: {e}"),
     }
 }
 

@@ -200,3 +200,29 @@ pub fn bf16_to_f32_bytes(data: &[u8]) -> Vec<u8> {
         .flat_map(|b| f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16).to_le_bytes())
         .collect()
 }
+
+/// The GPU for GPU tests, or None (with the reason printed) when there is none and CI did not ask
+/// for one: `PICCHIO_REQUIRE_GPU=1` (set by .ci/run) turns a missing adapter into a failure, and
+/// `PICCHIO_EXPECT_BACKEND` pins the wgpu backend.
+pub fn gpu(max_binding_bytes: Option<u64>) -> Option<picchio::gpu::GpuContext> {
+    let required = std::env::var("PICCHIO_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    let mut options = picchio::gpu::GpuOptions::from_env();
+    options.max_binding_bytes = max_binding_bytes;
+    match picchio::gpu::GpuContext::new(&options) {
+        Ok(ctx) => {
+            eprintln!(
+                "GPU adapter: {} ({}, {})",
+                ctx.adapter.name, ctx.adapter.backend, ctx.adapter.device_type
+            );
+            if let Ok(expected) = std::env::var("PICCHIO_EXPECT_BACKEND") {
+                assert_eq!(ctx.adapter.backend, expected, "wrong wgpu backend");
+            }
+            Some(ctx)
+        }
+        Err(e) if !required => {
+            eprintln!("no GPU, GPU test skipped: {e}");
+            None
+        }
+        Err(e) => panic!("PICCHIO_REQUIRE_GPU=1 but: {e}"),
+    }
+}

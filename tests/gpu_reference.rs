@@ -1,0 +1,169 @@
+//! L1/L2 for the GPU tier: on every fixture, 32 greedy GPU ids identical to transformers and to
+//! the CPU tier, logits within tolerance, full A/B agreement, one submission and one readback per
+//! decoded token, and a lost device falling back to the CPU without changing the tokens.
+
+mod common;
+
+use common::*;
+use picchio::Model;
+use picchio::model::ab::compare_tiers;
+use picchio::model::generate::{
+    FallbackSession, GenerateOptions, Session, generate_observed, generate_with,
+};
+use picchio::model::gpu_tier::{GpuModel, GpuTierOptions};
+
+/// GPU logits against float32 transformers (f32 accumulation, other summation orders).
+const LOGIT_ATOL: f32 = 1e-3;
+
+fn options(max_new_tokens: usize) -> GenerateOptions {
+    GenerateOptions {
+        max_new_tokens,
+        top_logits: 10,
+        stop_at_eos: false,
+        context: 4096,
+    }
+}
+
+fn gpu_model(model: &Model, max_block: usize) -> Option<GpuModel> {
+    let ctx = gpu(None)?;
+    let options = GpuTierOptions {
+        context: 4096,
+        max_block,
+        top_logits: 10,
+    };
+    Some(GpuModel::new(ctx, &model.config, &model.weights, options).unwrap())
+}
+
+#[test]
+fn gpu_greedy_tokens_and_logits_match_transformers() {
+    for dir in fixture_dirs() {
+        let model = Model::load(&dir).unwrap();
+        let reference = reference(&dir);
+        let Some(mut gpu) = gpu_model(&model, 128) else {
+            return;
+        };
+        let mut marks = Vec::new();
+        let out = generate_observed(
+            &mut gpu,
+            &model.config,
+            &reference.prompt_ids,
+            &options(32),
+            &mut |s, _| marks.push(s.gpu_counters().unwrap()),
+        )
+        .unwrap();
+        assert_eq!(
+            out.generated_ids,
+            reference.generated_ids,
+            "{}",
+            dir.display()
+        );
+        let mut worst = 0f32;
+        for (step, (got, want)) in out.steps.iter().zip(&reference.steps).enumerate() {
+            // By id: near-ties may order differently within the top 10.
+            for (id, logit) in &want.top {
+                if let Some((_, ours)) = got.top.iter().find(|(i, _)| i == id) {
+                    let err = (ours - logit).abs();
+                    assert!(
+                        err <= LOGIT_ATOL,
+                        "{} step {step} id {id}: {ours} vs {logit}",
+                        dir.display()
+                    );
+                    worst = worst.max(err);
+                }
+            }
+        }
+        // Decode phase: one submission and one readback per token.
+        let decoded = out.decode_tokens as u64;
+        assert_eq!(marks[1].submits - marks[0].submits, decoded, "submissions");
+        assert_eq!(
+            marks[1].readbacks - marks[0].readbacks,
+            decoded,
+            "readbacks"
+        );
+        eprintln!(
+            "{}: GPU max |logit error| vs transformers {worst:e}",
+            dir.display()
+        );
+    }
+}
+
+#[test]
+fn ab_reports_full_agreement() {
+    for dir in fixture_dirs() {
+        if gpu(None).is_none() {
+            return;
+        }
+        let model = Model::load(&dir).unwrap();
+        let reference = reference(&dir);
+        let report = compare_tiers(&model, &reference.prompt_ids, 32, 4096).unwrap();
+        assert!(report.agree(), "{}: {report:?}", dir.display());
+        assert_eq!(report.tokens_agreeing, 32);
+        assert_eq!(report.gpu_ids, reference.generated_ids);
+        assert!(
+            report.max_logit_difference <= LOGIT_ATOL,
+            "{}",
+            report.max_logit_difference
+        );
+    }
+}
+
+#[test]
+fn prefill_in_small_blocks_gives_the_same_tokens() {
+    // Blocks of 5 cross every window (ring of window + 4 slots) and the KV store in pieces.
+    for dir in fixture_dirs() {
+        let model = Model::load(&dir).unwrap();
+        let reference = reference(&dir);
+        let Some(mut gpu) = gpu_model(&model, 5) else {
+            return;
+        };
+        let out =
+            generate_with(&mut gpu, &model.config, &reference.prompt_ids, &options(12)).unwrap();
+        assert_eq!(
+            out.generated_ids,
+            reference.generated_ids[..12],
+            "{}",
+            dir.display()
+        );
+    }
+}
+
+#[test]
+fn long_generation_grows_the_gpu_kv_cache() {
+    // 300 positions: past the full layers' first 256-slot allocation.
+    let dir = fixtures_dir().join("tiny-single");
+    let model = Model::load(&dir).unwrap();
+    let prompt = reference(&dir).prompt_ids;
+    let Some(mut gpu) = gpu_model(&model, 128) else {
+        return;
+    };
+    let mut opts = options(288);
+    opts.top_logits = 0;
+    let on_gpu = generate_with(&mut gpu, &model.config, &prompt, &opts).unwrap();
+    let on_cpu = picchio::model::generate::generate(&model, &prompt, &opts).unwrap();
+    assert_eq!(on_gpu.generated_ids, on_cpu.generated_ids);
+}
+
+#[test]
+fn lost_device_falls_back_to_the_cpu_tier() {
+    let dir = fixtures_dir().join("tiny-long");
+    let model = Model::load(&dir).unwrap();
+    let reference = reference(&dir);
+    let Some(gpu) = gpu_model(&model, 128) else {
+        return;
+    };
+    let mut session = FallbackSession::new(&model, gpu, 4096);
+    let mut ids = Vec::new();
+    let mut step = session.feed(&reference.prompt_ids, 0).unwrap();
+    for i in 0..32 {
+        ids.push(step.id);
+        if i == 10 {
+            // What a driver reset looks like to wgpu.
+            session.gpu().unwrap().ctx.device.destroy();
+        }
+        if i < 31 {
+            step = session.feed(&[step.id], 0).unwrap();
+        }
+    }
+    assert_eq!(session.backend(), "cpu");
+    assert_eq!(ids, reference.generated_ids);
+}
