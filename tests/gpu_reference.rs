@@ -167,3 +167,18 @@ fn lost_device_falls_back_to_the_cpu_tier() {
     assert_eq!(session.backend(), "cpu");
     assert_eq!(ids, reference.generated_ids);
 }
+
+#[test]
+fn debug_mode_submits_per_kernel_and_changes_nothing() {
+    let dir = fixtures_dir().join("tiny-sharded");
+    let model = Model::load(&dir).unwrap();
+    let reference = reference(&dir);
+    let Some(mut gpu) = gpu_model(&model, 128) else {
+        return;
+    };
+    gpu.set_debug(true);
+    let out = generate_with(&mut gpu, &model.config, &reference.prompt_ids, &options(4)).unwrap();
+    assert_eq!(out.generated_ids, reference.generated_ids[..4]);
+    // Many submissions per token, each checked.
+    assert!(gpu.counters.submits > 4 * 20, "{:?}", gpu.counters);
+}

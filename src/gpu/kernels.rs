@@ -25,6 +25,8 @@ pub struct Dispatch {
     workgroups: [u32; 3],
     /// Kept alive with the bind group that reads it.
     _params: wgpu::Buffer,
+    /// `file:entry`, for the debug mode's log.
+    pub label: String,
 }
 
 impl Dispatch {
@@ -79,6 +81,7 @@ impl GpuContext {
             bind_group,
             workgroups,
             _params: params_buffer,
+            label: format!("{file}:{entry}"),
         })
     }
 

@@ -119,6 +119,8 @@ pub struct GpuModel {
     plans: HashMap<(usize, bool), Vec<PlanStep>>,
     len: usize,
     pub counters: GpuCounters,
+    /// Submit and check every kernel on its own (`PICCHIO_GPU_DEBUG=1`).
+    debug: bool,
 }
 
 fn add(steps: &mut Vec<PlanStep>, dispatches: Vec<Dispatch>) {
@@ -240,6 +242,7 @@ impl GpuModel {
             plans: HashMap::new(),
             len: 0,
             counters: GpuCounters::default(),
+            debug: std::env::var("PICCHIO_GPU_DEBUG").is_ok_and(|v| v == "1"),
             ctx,
         };
         model.kv = (0..cfg.num_layers)
@@ -598,6 +601,9 @@ impl GpuModel {
             let plan = self.build_plan(n, head)?;
             self.plans.insert((n, head), plan);
         }
+        if self.debug {
+            return self.run_block_debug(n, head);
+        }
         let plan = &self.plans[&(n, head)];
         let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
         let mut pass: Option<wgpu::ComputePass<'static>> = None;
@@ -630,6 +636,50 @@ impl GpuModel {
         if self.ctx.is_lost() {
             return Err(Error::Gpu("the GPU device was lost".into()));
         }
+        Ok(())
+    }
+
+    /// The debug mode (`PICCHIO_GPU_DEBUG=1`): one submission per kernel, each checked for
+    /// validation errors and timed, in the log at debug level. Slow; the results are the same.
+    fn run_block_debug(&mut self, n: usize, head: bool) -> Result<()> {
+        let plan = &self.plans[&(n, head)];
+        for (i, step) in plan.iter().enumerate() {
+            let scope = self
+                .ctx
+                .device
+                .push_error_scope(wgpu::ErrorFilter::Validation);
+            let started = std::time::Instant::now();
+            let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
+            let label = match step {
+                PlanStep::Dispatch(d) => {
+                    d.record(&mut encoder.begin_compute_pass(&Default::default()));
+                    d.label.as_str()
+                }
+                PlanStep::Copy {
+                    from,
+                    from_offset,
+                    to,
+                    to_offset,
+                    bytes,
+                } => {
+                    encoder.copy_buffer_to_buffer(from, *from_offset, to, *to_offset, *bytes);
+                    "copy"
+                }
+            };
+            self.ctx.queue.submit([encoder.finish()]);
+            self.ctx.wait()?;
+            if let Some(error) = pollster::block_on(scope.pop()) {
+                return Err(Error::Gpu(format!(
+                    "step {i} ({label}) of a {n}-token block: {error}"
+                )));
+            }
+            log::debug!(
+                "block of {n}, step {i:4}: {label:<32} {:8.3} ms",
+                started.elapsed().as_secs_f64() * 1e3
+            );
+        }
+        self.counters.submits += plan.len() as u64;
+        self.len += n;
         Ok(())
     }
 
@@ -686,6 +736,11 @@ impl GpuModel {
             .chunks(prompt.len() * k)
             .map(|layer| layer.chunks(k).map(|slots| slots.to_vec()).collect())
             .collect())
+    }
+
+    /// Turns the debug mode (one checked submission per kernel) on or off.
+    pub fn set_debug(&mut self, on: bool) {
+        self.debug = on;
     }
 
     /// Forgets every position (the next feed starts at 0).
