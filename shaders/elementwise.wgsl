@@ -84,6 +84,20 @@ fn beats(va: f32, ia: u32, vb: f32, ib: u32) -> bool {
     return va > vb || (va == vb && ia < ib) || (vb != vb && va == va);
 }
 
+// Leaves the workgroup's best (value, index) in best_values[0], best_ids[0].
+fn reduce_best(lid: u32, value: f32, index: u32) {
+    best_values[lid] = value;
+    best_ids[lid] = index;
+    workgroupBarrier();
+    for (var stride = WG / 2u; stride > 0u; stride = stride / 2u) {
+        if (lid < stride && beats(best_values[lid + stride], best_ids[lid + stride], best_values[lid], best_ids[lid])) {
+            best_values[lid] = best_values[lid + stride];
+            best_ids[lid] = best_ids[lid + stride];
+        }
+        workgroupBarrier();
+    }
+}
+
 @compute @workgroup_size(256)
 fn argmax(@builtin(local_invocation_index) lid: u32) {
     var bv = 0.0;
@@ -95,16 +109,7 @@ fn argmax(@builtin(local_invocation_index) lid: u32) {
             bi = i;
         }
     }
-    best_values[lid] = bv;
-    best_ids[lid] = bi;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride = stride / 2u) {
-        if (lid < stride && beats(best_values[lid + stride], best_ids[lid + stride], best_values[lid], best_ids[lid])) {
-            best_values[lid] = best_values[lid + stride];
-            best_ids[lid] = best_ids[lid + stride];
-        }
-        workgroupBarrier();
-    }
+    reduce_best(lid, bv, bi);
     if (lid == 0u) {
         result[0] = select(best_ids[0], 0u, best_ids[0] == 0xffffffffu);
     }
@@ -136,16 +141,7 @@ fn top_k(@builtin(local_invocation_index) lid: u32) {
                 bi = i;
             }
         }
-        best_values[lid] = bv;
-        best_ids[lid] = bi;
-        workgroupBarrier();
-        for (var stride = WG / 2u; stride > 0u; stride = stride / 2u) {
-            if (lid < stride && beats(best_values[lid + stride], best_ids[lid + stride], best_values[lid], best_ids[lid])) {
-                best_values[lid] = best_values[lid + stride];
-                best_ids[lid] = best_ids[lid + stride];
-            }
-            workgroupBarrier();
-        }
+        reduce_best(lid, bv, bi);
         if (lid == 0u) {
             result[2u * s] = best_ids[0];
             result[2u * s + 1u] = bitcast<u32>(best_values[0]);

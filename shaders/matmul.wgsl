@@ -101,6 +101,34 @@ fn dense(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) 
 }
 #endif
 
+#if EXPERT_PAIRS
+// The expert that pair `pair` is routed to, the same value in the whole workgroup (so an early
+// exit on it keeps the barriers in uniform control flow).
+fn routed_expert(lid: u32, pair: u32) -> u32 {
+    if (lid == 0u) {
+        routed = ids[pair];
+    }
+    return workgroupUniformLoad(&routed);
+}
+
+// Whether this workgroup has a row to compute: an existing row of an expert held by this chunk.
+fn expert_row_here(r: u32, e: u32) -> bool {
+    return r < p.rows && e >= p.expert_first && e < p.expert_first + p.expert_count;
+}
+
+// Reduces the partial dot products and writes y[pair][r] = total + bias[e][r].
+fn finish_expert_row(lid: u32, partial_sum: f32, e: u32, r: u32, pair: u32) {
+    let total = reduce(lid, partial_sum);
+    if (lid == 0u) {
+        var v = total;
+        if (p.has_bias == 1u) {
+            v = v + bias[e * p.rows + r];
+        }
+        y[pair * p.out_stride + r] = v;
+    }
+}
+#endif
+
 #if EXPERTS
 fn byte_at(words_index: u32, which: u32) -> u32 {
     return (words_index >> (8u * which)) & 0xffu;
@@ -134,12 +162,8 @@ fn nibble_value(n: u32) -> f32 {
 fn experts(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let r = wg.x + wg.y * p.groups_x;
     let pair = wg.z;
-    if (lid == 0u) {
-        routed = ids[pair];
-    }
-    // Uniform across the workgroup, so the early exit keeps barriers in uniform control flow.
-    let e = workgroupUniformLoad(&routed);
-    if (r >= p.rows || e < p.expert_first || e >= p.expert_first + p.expert_count) {
+    let e = routed_expert(lid, pair);
+    if (!expert_row_here(r, e)) {
         return;
     }
     let groups = p.cols / 32u;
@@ -160,14 +184,7 @@ fn experts(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
         }
         acc = acc + sum * group_scale(scale0 + g);
     }
-    let total = reduce(lid, acc);
-    if (lid == 0u) {
-        var v = total;
-        if (p.has_bias == 1u) {
-            v = v + bias[e * p.rows + r];
-        }
-        y[pair * p.out_stride + r] = v;
-    }
+    finish_expert_row(lid, acc, e, r, pair);
 }
 #endif
 
@@ -176,11 +193,8 @@ fn experts(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
 fn experts_unquantized(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let r = wg.x + wg.y * p.groups_x;
     let pair = wg.z;
-    if (lid == 0u) {
-        routed = ids[pair];
-    }
-    let e = workgroupUniformLoad(&routed);
-    if (r >= p.rows || e < p.expert_first || e >= p.expert_first + p.expert_count) {
+    let e = routed_expert(lid, pair);
+    if (!expert_row_here(r, e)) {
         return;
     }
     // Column r of expert e's [cols, rows] matrix.
@@ -190,13 +204,6 @@ fn experts_unquantized(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invo
     for (var c = lid; c < p.cols; c = c + WG) {
         acc = acc + weight(base + c * p.rows) * x[xb + c];
     }
-    let total = reduce(lid, acc);
-    if (lid == 0u) {
-        var v = total;
-        if (p.has_bias == 1u) {
-            v = v + bias[e * p.rows + r];
-        }
-        y[pair * p.out_stride + r] = v;
-    }
+    finish_expert_row(lid, acc, e, r, pair);
 }
 #endif

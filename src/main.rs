@@ -44,19 +44,30 @@ impl From<Backend> for BackendChoice {
     }
 }
 
+/// The model, the prompt and how far to go: shared by `generate` and `ab`.
+#[derive(clap::Args)]
+struct PromptArgs {
+    /// Checkpoint directory (config.json + safetensors, as Hugging Face ships it).
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt token ids, comma-separated (e.g. 1,2,3).
+    #[arg(long, value_delimiter = ',', required = true, num_args = 1..)]
+    ids: Vec<u32>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 32)]
+    max_new_tokens: usize,
+    /// Most positions (prompt + generated) the KV cache holds; default: the model's
+    /// max_position_embeddings.
+    #[arg(long, value_name = "N")]
+    context: Option<usize>,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Generate tokens greedily from a prompt given as token ids.
     Generate {
-        /// Checkpoint directory (config.json + safetensors, as Hugging Face ships it).
-        #[arg(long)]
-        model: PathBuf,
-        /// Prompt token ids, comma-separated (e.g. 1,2,3).
-        #[arg(long, value_delimiter = ',', required = true, num_args = 1..)]
-        ids: Vec<u32>,
-        /// Most tokens to generate.
-        #[arg(long, default_value_t = 32)]
-        max_new_tokens: usize,
+        #[command(flatten)]
+        prompt: PromptArgs,
         /// Where the model runs.
         #[arg(long, value_enum, default_value_t = Backend::Auto)]
         backend: Backend,
@@ -69,27 +80,17 @@ enum Command {
         /// Report the K largest logits of every step (with --json).
         #[arg(long, default_value_t = 0, value_name = "K")]
         top_logits: usize,
-        /// Most positions (prompt + generated) the KV cache holds; default: the model's
-        /// max_position_embeddings.
-        #[arg(long, value_name = "N")]
-        context: Option<usize>,
         /// Keep generating after an end-of-sequence token.
         #[arg(long)]
         ignore_eos: bool,
     },
     /// Run the CPU and GPU tiers on the same input and compare tokens, logits and routing.
     Ab {
-        #[arg(long)]
-        model: PathBuf,
-        #[arg(long, value_delimiter = ',', required = true, num_args = 1..)]
-        ids: Vec<u32>,
-        #[arg(long, default_value_t = 32)]
-        max_new_tokens: usize,
+        #[command(flatten)]
+        prompt: PromptArgs,
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
-        #[arg(long, value_name = "N")]
-        context: Option<usize>,
     },
     /// List the GPU adapters wgpu finds (best first), with backend, type, driver, limits and features.
     Devices {
@@ -123,14 +124,17 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Generate {
-            model,
-            ids,
-            max_new_tokens,
+            prompt:
+                PromptArgs {
+                    model,
+                    ids,
+                    max_new_tokens,
+                    context,
+                },
             backend,
             stats,
             json,
             top_logits,
-            context,
             ignore_eos,
         } => {
             // Load errors name the file and tensor already.
@@ -212,13 +216,7 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Ab {
-            model,
-            ids,
-            max_new_tokens,
-            json,
-            context,
-        } => ab(&model, &ids, max_new_tokens, context, json),
+        Command::Ab { prompt, json } => ab(&prompt, json),
         Command::Inspect { model, json } => inspect(&model, json),
         Command::Devices { json } => devices(json),
     }
@@ -233,16 +231,11 @@ fn resolve_context(model: &Model, context: Option<usize>) -> Result<usize> {
 }
 
 /// `picchio ab`: both tiers on the same prompt; non-zero exit on any disagreement.
-fn ab(
-    dir: &std::path::Path,
-    ids: &[u32],
-    max_new_tokens: usize,
-    context: Option<usize>,
-    json: bool,
-) -> Result<()> {
-    let model = Model::load(dir)?;
-    let context = resolve_context(&model, context)?;
-    let report = picchio::model::ab::compare_tiers(&model, ids, max_new_tokens, context)?;
+fn ab(prompt: &PromptArgs, json: bool) -> Result<()> {
+    let model = Model::load(&prompt.model)?;
+    let context = resolve_context(&model, prompt.context)?;
+    let report =
+        picchio::model::ab::compare_tiers(&model, &prompt.ids, prompt.max_new_tokens, context)?;
     if json {
         println!("{}", serde_json::to_string(&report)?);
     } else {

@@ -281,21 +281,24 @@ fn gpu_backend_without_a_usable_adapter_is_a_clear_error() {
     // only adapter is lavapipe (CI) has no usable GPU, and one with a real GPU runs on it.
     let dir = fixtures_dir().join("tiny-single");
     let d = dir.to_str().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_picchio"))
-        .args([
-            "generate",
-            "--model",
-            d,
-            "--ids",
-            "1,2",
-            "--max-new-tokens",
-            "2",
-            "--backend",
-            "gpu",
-        ])
-        .env_remove("PICCHIO_GPU_ALLOW_SOFTWARE")
-        .output()
-        .unwrap();
+    let without_software = |backend: &str| {
+        Command::new(env!("CARGO_BIN_EXE_picchio"))
+            .args([
+                "generate",
+                "--model",
+                d,
+                "--ids",
+                "1,2",
+                "--max-new-tokens",
+                "2",
+                "--backend",
+                backend,
+            ])
+            .env_remove("PICCHIO_GPU_ALLOW_SOFTWARE")
+            .output()
+            .unwrap()
+    };
+    let out = without_software("gpu");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("panicked"), "{stderr}");
     if !out.status.success() {
@@ -303,21 +306,7 @@ fn gpu_backend_without_a_usable_adapter_is_a_clear_error() {
         assert!(stderr.contains("adapter"), "{stderr}");
     }
     // auto never fails for want of a GPU: it runs on the CPU tier instead.
-    let out = Command::new(env!("CARGO_BIN_EXE_picchio"))
-        .args([
-            "generate",
-            "--model",
-            d,
-            "--ids",
-            "1,2",
-            "--max-new-tokens",
-            "2",
-            "--backend",
-            "auto",
-        ])
-        .env_remove("PICCHIO_GPU_ALLOW_SOFTWARE")
-        .output()
-        .unwrap();
+    let out = without_software("auto");
     assert!(
         out.status.success(),
         "{}",

@@ -7,22 +7,11 @@ mod common;
 use common::*;
 use picchio::Model;
 use picchio::model::ab::compare_tiers;
-use picchio::model::generate::{
-    FallbackSession, GenerateOptions, Session, generate_observed, generate_with,
-};
+use picchio::model::generate::{FallbackSession, Session, generate_observed, generate_with};
 use picchio::model::gpu_tier::{GpuModel, GpuTierOptions};
 
 /// GPU logits against float32 transformers (f32 accumulation, other summation orders).
 const LOGIT_ATOL: f32 = 1e-3;
-
-fn options(max_new_tokens: usize) -> GenerateOptions {
-    GenerateOptions {
-        max_new_tokens,
-        top_logits: 10,
-        stop_at_eos: false,
-        context: 4096,
-    }
-}
 
 fn gpu_model(model: &Model, max_block: usize) -> Option<GpuModel> {
     let ctx = gpu(None)?;
@@ -47,7 +36,7 @@ fn gpu_greedy_tokens_and_logits_match_transformers() {
             &mut gpu,
             &model.config,
             &reference.prompt_ids,
-            &options(32),
+            &greedy_options(32),
             &mut |s, _| marks.push(s.gpu_counters().unwrap()),
         )
         .unwrap();
@@ -116,8 +105,13 @@ fn prefill_in_small_blocks_gives_the_same_tokens() {
         let Some(mut gpu) = gpu_model(&model, 5) else {
             return;
         };
-        let out =
-            generate_with(&mut gpu, &model.config, &reference.prompt_ids, &options(12)).unwrap();
+        let out = generate_with(
+            &mut gpu,
+            &model.config,
+            &reference.prompt_ids,
+            &greedy_options(12),
+        )
+        .unwrap();
         assert_eq!(
             out.generated_ids,
             reference.generated_ids[..12],
@@ -136,7 +130,7 @@ fn long_generation_grows_the_gpu_kv_cache() {
     let Some(mut gpu) = gpu_model(&model, 128) else {
         return;
     };
-    let mut opts = options(288);
+    let mut opts = greedy_options(288);
     opts.top_logits = 0;
     let on_gpu = generate_with(&mut gpu, &model.config, &prompt, &opts).unwrap();
     let on_cpu = picchio::model::generate::generate(&model, &prompt, &opts).unwrap();
@@ -177,7 +171,13 @@ fn debug_mode_submits_per_kernel_and_changes_nothing() {
         return;
     };
     gpu.set_debug(true);
-    let out = generate_with(&mut gpu, &model.config, &reference.prompt_ids, &options(4)).unwrap();
+    let out = generate_with(
+        &mut gpu,
+        &model.config,
+        &reference.prompt_ids,
+        &greedy_options(4),
+    )
+    .unwrap();
     assert_eq!(out.generated_ids, reference.generated_ids[..4]);
     // Many submissions per token, each checked.
     assert!(gpu.counters.submits > 4 * 20, "{:?}", gpu.counters);

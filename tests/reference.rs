@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 
 use common::*;
 use picchio::Model;
-use picchio::model::generate::{GenerateOptions, generate};
+use picchio::model::generate::generate;
 use picchio::model::sampler::argmax;
 
 /// Logit tolerance against float32 transformers (SEMANTICS.md §7).
@@ -17,15 +17,6 @@ const HIDDEN_ATOL: f32 = 1e-4;
 const HIDDEN_RTOL: f32 = 1e-4;
 const ROUTER_WEIGHT_ATOL: f32 = 1e-5;
 
-fn options(max_new_tokens: usize) -> GenerateOptions {
-    GenerateOptions {
-        max_new_tokens,
-        top_logits: 10,
-        stop_at_eos: false,
-        context: 4096,
-    }
-}
-
 #[test]
 fn greedy_tokens_match_transformers() {
     for dir in fixture_dirs() {
@@ -34,7 +25,7 @@ fn greedy_tokens_match_transformers() {
         let out = generate(
             &model,
             &reference.prompt_ids,
-            &options(reference.generated_ids.len()),
+            &greedy_options(reference.generated_ids.len()),
         )
         .unwrap();
         assert_eq!(
@@ -243,7 +234,7 @@ fn generation_stops_at_eos_unless_ignored() {
     std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
 
     let model = Model::load(dir.path()).unwrap();
-    let mut opts = options(32);
+    let mut opts = greedy_options(32);
     opts.stop_at_eos = true;
     let stopped = generate(&model, &reference.prompt_ids, &opts).unwrap();
     assert_eq!(stopped.generated_ids, reference.generated_ids[..6]);
@@ -271,7 +262,7 @@ fn context_limit_ends_generation() {
     let dir = fixtures_dir().join("tiny-single");
     let reference = reference(&dir);
     let model = Model::load(&dir).unwrap();
-    let mut opts = options(32);
+    let mut opts = greedy_options(32);
     opts.context = reference.prompt_ids.len() + 3;
     let out = generate(&model, &reference.prompt_ids, &opts).unwrap();
     // Positions 0..context-1 can be fed; the token chosen at the last one is still reported.

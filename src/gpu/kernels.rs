@@ -190,7 +190,7 @@ pub struct GpuExperts {
     pub rows: usize,
     pub cols: usize,
     /// Variant defines of the kernel that reads this format.
-    defines: [(&'static str, String); 2],
+    defines: [(&'static str, String); 3],
     /// (first expert, experts, weights, scales: absent for unquantized experts)
     chunks: Vec<(usize, usize, wgpu::Buffer, Option<wgpu::Buffer>)>,
 }
@@ -223,7 +223,11 @@ impl GpuExperts {
             experts,
             rows,
             cols,
-            defines: [("EXPERTS", "1".into()), (format, "1".into())],
+            defines: [
+                ("EXPERTS", "1".into()),
+                (format, "1".into()),
+                ("EXPERT_PAIRS", "1".into()),
+            ],
             chunks,
         })
     }
@@ -250,6 +254,7 @@ impl GpuExperts {
             defines: [
                 ("EXPERTS_UNQUANTIZED", "1".into()),
                 (format_define(m.format), "1".into()),
+                ("EXPERT_PAIRS", "1".into()),
             ],
             chunks,
         })

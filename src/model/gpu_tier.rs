@@ -123,6 +123,34 @@ pub struct GpuModel {
     debug: bool,
 }
 
+/// Records plan steps into `encoder`: consecutive dispatches share one compute pass, copies go
+/// between passes.
+fn record(encoder: &mut wgpu::CommandEncoder, steps: &[PlanStep]) {
+    let mut pass: Option<wgpu::ComputePass<'static>> = None;
+    for step in steps {
+        match step {
+            PlanStep::Dispatch(d) => {
+                let p = pass.get_or_insert_with(|| {
+                    encoder
+                        .begin_compute_pass(&Default::default())
+                        .forget_lifetime()
+                });
+                d.record(p);
+            }
+            PlanStep::Copy {
+                from,
+                from_offset,
+                to,
+                to_offset,
+                bytes,
+            } => {
+                pass = None;
+                encoder.copy_buffer_to_buffer(from, *from_offset, to, *to_offset, *bytes);
+            }
+        }
+    }
+}
+
 fn add(steps: &mut Vec<PlanStep>, dispatches: Vec<Dispatch>) {
     steps.extend(dispatches.into_iter().map(PlanStep::Dispatch));
 }
@@ -606,30 +634,7 @@ impl GpuModel {
         }
         let plan = &self.plans[&(n, head)];
         let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
-        let mut pass: Option<wgpu::ComputePass<'static>> = None;
-        for step in plan {
-            match step {
-                PlanStep::Dispatch(d) => {
-                    let p = pass.get_or_insert_with(|| {
-                        encoder
-                            .begin_compute_pass(&Default::default())
-                            .forget_lifetime()
-                    });
-                    d.record(p);
-                }
-                PlanStep::Copy {
-                    from,
-                    from_offset,
-                    to,
-                    to_offset,
-                    bytes,
-                } => {
-                    pass = None;
-                    encoder.copy_buffer_to_buffer(from, *from_offset, to, *to_offset, *bytes);
-                }
-            }
-        }
-        drop(pass);
+        record(&mut encoder, plan);
         self.ctx.queue.submit([encoder.finish()]);
         self.counters.submits += 1;
         self.len += n;
@@ -650,21 +655,10 @@ impl GpuModel {
                 .push_error_scope(wgpu::ErrorFilter::Validation);
             let started = std::time::Instant::now();
             let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
+            record(&mut encoder, std::slice::from_ref(step));
             let label = match step {
-                PlanStep::Dispatch(d) => {
-                    d.record(&mut encoder.begin_compute_pass(&Default::default()));
-                    d.label.as_str()
-                }
-                PlanStep::Copy {
-                    from,
-                    from_offset,
-                    to,
-                    to_offset,
-                    bytes,
-                } => {
-                    encoder.copy_buffer_to_buffer(from, *from_offset, to, *to_offset, *bytes);
-                    "copy"
-                }
+                PlanStep::Dispatch(d) => d.label.as_str(),
+                PlanStep::Copy { .. } => "copy",
             };
             self.ctx.queue.submit([encoder.finish()]);
             self.ctx.wait()?;

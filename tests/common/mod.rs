@@ -226,3 +226,13 @@ pub fn gpu(max_binding_bytes: Option<u64>) -> Option<picchio::gpu::GpuContext> {
         Err(e) => panic!("PICCHIO_REQUIRE_GPU=1 but: {e}"),
     }
 }
+
+/// Greedy decoding of `max_new_tokens` with EOS ignored and the top 10 logits reported.
+pub fn greedy_options(max_new_tokens: usize) -> picchio::model::generate::GenerateOptions {
+    picchio::model::generate::GenerateOptions {
+        max_new_tokens,
+        top_logits: 10,
+        stop_at_eos: false,
+        context: 4096,
+    }
+}
