@@ -20,7 +20,7 @@ struct Params {
     capacity: u32,      // cache slots
     window: u32,        // keys a query sees (0 = all)
     scaling: f32,
-    pad: u32,
+    groups_x: u32,      // workgroups along x of `store` (index = x + y * groups_x * 64)
 }
 
 // Per-step values written by the host before each submission.
@@ -42,7 +42,7 @@ struct Step {
 @compute @workgroup_size(64)
 fn store(@builtin(global_invocation_id) gid: vec3<u32>) {
     let kv_dim = p.num_kv_heads * p.head_dim;
-    let index = gid.x;
+    let index = gid.x + gid.y * p.groups_x * 64u;
     if (index >= p.tokens * kv_dim) {
         return;
     }

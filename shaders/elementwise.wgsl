@@ -15,7 +15,11 @@ struct Params {
     count: u32,         // elements (add), hidden size (embed), values (argmax)
     tokens: u32,
     row_first: u32,
-    rows: u32,
+    rows: u32,          // chunk rows (embed), k (top_k)
+    groups_x: u32,      // workgroups along x (index = x + y * groups_x * 256)
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -26,8 +30,9 @@ struct Params {
 
 @compute @workgroup_size(256)
 fn add(@builtin(global_invocation_id) gid: vec3<u32>) {
-    if (gid.x < p.count) {
-        y[gid.x] = y[gid.x] + x[gid.x];
+    let index = gid.x + gid.y * p.groups_x * 256u;
+    if (index < p.count) {
+        y[index] = y[index] + x[index];
     }
 }
 #endif
@@ -53,7 +58,7 @@ fn value(i: u32) -> f32 {
 
 @compute @workgroup_size(256)
 fn embed(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let index = gid.x;
+    let index = gid.x + gid.y * p.groups_x * 256u;
     if (index >= p.tokens * p.count) {
         return;
     }

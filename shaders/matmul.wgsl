@@ -134,24 +134,27 @@ fn byte_at(words_index: u32, which: u32) -> u32 {
     return (words_index >> (8u * which)) & 0xffu;
 }
 
-// The scale of group g of a row whose groups start at scale index s0.
-fn group_scale(s: u32) -> f32 {
+// A group's dot product `sum` times the group's scale s (index into the row-major scales).
+fn scaled(sum: f32, s: u32) -> f32 {
 #if MXFP4
+    // E8M0: 2^(byte - 127), applied with ldexp so no subnormal scale is ever materialized.
     let byte = (scales[s >> 2u] >> (8u * (s & 3u))) & 0xffu;
-    return ldexp(1.0, i32(byte) - 127);
+    return ldexp(sum, i32(byte) - 127);
 #endif
 #if INT4
     let pair = unpack2x16float(scales[s >> 1u]);
-    return select(pair.x, pair.y, (s & 1u) == 1u);
+    return sum * select(pair.x, pair.y, (s & 1u) == 1u);
 #endif
 }
 
+#if MXFP4
+// E2M1 values by code: bit 3 is the sign (code 8 is -0).
+const FP4_VALUES = array<f32, 16>(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0);
+#endif
+
 fn nibble_value(n: u32) -> f32 {
 #if MXFP4
-    // E2M1: bit 3 sign, then 2 exponent bits and 1 mantissa bit.
-    let magnitude = array<f32, 8>(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0);
-    let v = magnitude[n & 7u];
-    return select(v, -v, (n & 8u) != 0u);
+    return FP4_VALUES[n];
 #endif
 #if INT4
     return f32(i32(n) - 8);
@@ -182,7 +185,7 @@ fn experts(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
                 sum = sum + nibble_value(byte & 15u) * x[xk + 2u * b] + nibble_value(byte >> 4u) * x[xk + 2u * b + 1u];
             }
         }
-        acc = acc + sum * group_scale(scale0 + g);
+        acc = acc + scaled(sum, scale0 + g);
     }
     finish_expert_row(lid, acc, e, r, pair);
 }

@@ -14,8 +14,8 @@ struct Params {
     width: u32,         // intermediate size (swiglu) or hidden size (combine)
     alpha: f32,
     limit: f32,
-    pad0: u32,
-    pad1: u32,
+    groups_x: u32,      // workgroups along x (index = x + y * groups_x * 64)
+    pad: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -27,7 +27,7 @@ struct Params {
 
 @compute @workgroup_size(64)
 fn route(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let t = gid.x;
+    let t = gid.x + gid.y * p.groups_x * 64u;
     if (t >= p.tokens) {
         return;
     }
@@ -71,7 +71,7 @@ fn route(@builtin(global_invocation_id) gid: vec3<u32>) {
 
 @compute @workgroup_size(64)
 fn swiglu(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let index = gid.x;
+    let index = gid.x + gid.y * p.groups_x * 64u;
     if (index >= p.tokens * p.width) {
         return;
     }
@@ -90,7 +90,7 @@ fn swiglu(@builtin(global_invocation_id) gid: vec3<u32>) {
 
 @compute @workgroup_size(64)
 fn combine(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let index = gid.x;
+    let index = gid.x + gid.y * p.groups_x * 64u;
     if (index >= p.tokens * p.width) {
         return;
     }

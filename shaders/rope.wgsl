@@ -8,7 +8,7 @@ struct Params {
     head_dim: u32,
     heads: u32,
     tokens: u32,
-    pad: u32,
+    groups_x: u32,      // workgroups along x (index = x + y * groups_x * 64)
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -19,7 +19,7 @@ struct Params {
 @compute @workgroup_size(64)
 fn rope(@builtin(global_invocation_id) gid: vec3<u32>) {
     let half = p.head_dim / 2u;
-    let index = gid.x;
+    let index = gid.x + gid.y * p.groups_x * 64u;
     if (index >= p.tokens * p.heads * half) {
         return;
     }

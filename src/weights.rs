@@ -493,7 +493,51 @@ pub fn tensor_format(name: &str, dtype: Dtype) -> String {
     }
 }
 
+impl ExpertMatrices {
+    /// Bytes of all experts of this projection.
+    pub fn bytes(&self) -> usize {
+        match self {
+            ExpertMatrices::Mxfp4(m) => m.blocks.bytes().len() + m.scales.bytes().len(),
+            ExpertMatrices::Int4(m) => m.qweight.bytes().len() + m.scales.bytes().len(),
+            ExpertMatrices::Dense(d) => d.data.bytes().len(),
+        }
+    }
+}
+
 impl ModelWeights {
+    /// Bytes of every weight as the tiers hold them (matrices in their checkpoint format, norms,
+    /// biases and sinks as f32).
+    pub fn bytes(&self) -> usize {
+        let floats = |v: &[f32]| v.len() * 4;
+        let optional = |v: &Option<Vec<f32>>| v.as_deref().map_or(0, floats);
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.q, &l.k, &l.v, &l.o, &l.router]
+                    .iter()
+                    .map(|m| m.data.bytes().len())
+                    .sum::<usize>()
+                    + l.gate_up.bytes()
+                    + l.down.bytes()
+                    + floats(&l.input_norm)
+                    + floats(&l.post_attention_norm)
+                    + floats(&l.sinks)
+                    + floats(&l.router_bias)
+                    + floats(&l.gate_up_bias)
+                    + floats(&l.down_bias)
+                    + optional(&l.q_bias)
+                    + optional(&l.k_bias)
+                    + optional(&l.v_bias)
+                    + optional(&l.o_bias)
+            })
+            .sum();
+        layers
+            + self.embeddings.data.bytes().len()
+            + self.lm_head.data.bytes().len()
+            + floats(&self.final_norm)
+    }
+
     /// Resolves and validates every tensor the forward pass needs.
     pub fn load(ck: &Checkpoint, cfg: &Config) -> Result<ModelWeights> {
         let h = cfg.hidden_size;

@@ -182,3 +182,52 @@ fn debug_mode_submits_per_kernel_and_changes_nothing() {
     // Many submissions per token, each checked.
     assert!(gpu.counters.submits > 4 * 20, "{:?}", gpu.counters);
 }
+
+#[test]
+fn routing_traced_block_by_block_matches_the_cpu() {
+    // A 120-token prompt traced in blocks of 16, as `picchio ab` does for long prompts.
+    let dir = fixtures_dir().join("tiny-long");
+    let model = Model::load(&dir).unwrap();
+    let prompt = reference(&dir).prompt_ids;
+    let Some(mut gpu) = gpu_model(&model, 16) else {
+        return;
+    };
+    let routing = gpu.trace_routing(&prompt).unwrap();
+    let mut cache = model.new_cache(4096);
+    let mut trace = Vec::new();
+    model
+        .forward(&mut cache, &prompt, Some(&mut trace))
+        .unwrap();
+    for (l, (gpu_layer, cpu_layer)) in routing.iter().zip(&trace).enumerate() {
+        assert_eq!(gpu_layer.len(), prompt.len());
+        for (t, (g, c)) in gpu_layer.iter().zip(&cpu_layer.routings).enumerate() {
+            let c: Vec<u32> = c.experts.iter().map(|e| *e as u32).collect();
+            assert_eq!(g, &c, "layer {l} position {t}");
+        }
+    }
+}
+
+#[test]
+fn a_gpu_that_cannot_go_on_hands_over_to_the_cpu_tier() {
+    // 32 KiB bindings: tiny-single's full-attention KV cache (128 B per position) holds at most
+    // 256 positions on this "GPU", so a 300-position run must finish on the CPU tier.
+    let dir = fixtures_dir().join("tiny-single");
+    let model = Model::load(&dir).unwrap();
+    let prompt = reference(&dir).prompt_ids;
+    let Some(ctx) = gpu(Some(32 * 1024)) else {
+        return;
+    };
+    let options = GpuTierOptions {
+        context: 4096,
+        max_block: 8,
+        top_logits: 2,
+    };
+    let gpu = GpuModel::new(ctx, &model.config, &model.weights, options).unwrap();
+    let mut session = FallbackSession::new(&model, gpu, 4096);
+    let mut opts = greedy_options(288);
+    opts.top_logits = 0;
+    let mixed = generate_with(&mut session, &model.config, &prompt, &opts).unwrap();
+    assert_eq!(session.backend(), "cpu");
+    let on_cpu = picchio::model::generate::generate(&model, &prompt, &opts).unwrap();
+    assert_eq!(mixed.generated_ids, on_cpu.generated_ids);
+}

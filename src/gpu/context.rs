@@ -76,6 +76,9 @@ fn instance() -> wgpu::Instance {
     let mut desc = wgpu::InstanceDescriptor::new_without_display_handle();
     // Only the native compute backends: never a silent fallback to GL.
     desc.backends = Backends::VULKAN | Backends::METAL | Backends::DX12;
+    // Where the driver reports a memory budget (DX12, Vulkan with VK_EXT_memory_budget), buffer
+    // creation fails with an out-of-memory error near it instead of thrashing or losing the device.
+    desc.memory_budget_thresholds.for_resource_creation = Some(90);
     wgpu::Instance::new(desc)
 }
 
@@ -160,6 +163,8 @@ impl GpuContext {
         if let Some(cap) = options.max_binding_bytes {
             max_binding = max_binding.min(cap);
         }
+        // The shaders index bindings with u32 element offsets.
+        max_binding = max_binding.min(u32::MAX as u64);
         max_binding -= max_binding % align.max(4);
         log::info!(
             "GPU: {} ({}, {}), binding limit {} MiB",
@@ -180,6 +185,26 @@ impl GpuContext {
         })
     }
 
+    /// Whether `bytes` of buffers are plausible on this adapter. Software adapters allocate host
+    /// memory, so more than half of what the system has available would end in the OOM killer
+    /// rather than in an error; hardware adapters are trusted to report out-of-memory.
+    pub fn check_fits(&self, bytes: u64) -> Result<()> {
+        if self.adapter.device_type != "Cpu" {
+            return Ok(());
+        }
+        if let Some(available) = available_memory_bytes()
+            && bytes > available / 2
+        {
+            return Err(Error::Gpu(format!(
+                "{:.2} GB of weights do not fit the software adapter {} (it uses host memory: {:.2} GB available)",
+                bytes as f64 / 1e9,
+                self.adapter.name,
+                available as f64 / 1e9
+            )));
+        }
+        Ok(())
+    }
+
     /// True once the driver reported the device lost.
     pub fn is_lost(&self) -> bool {
         self.lost.load(Ordering::SeqCst)
@@ -187,9 +212,40 @@ impl GpuContext {
 
     /// Waits for all submitted work.
     pub fn wait(&self) -> Result<()> {
-        self.device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map(|_| ())
-            .map_err(|e| Error::Gpu(format!("waiting for the device: {e}")))
+        self.guard(|| {
+            self.device
+                .poll(wgpu::PollType::wait_indefinitely())
+                .map(|_| ())
+                .map_err(|e| Error::Gpu(format!("waiting for the device: {e}")))
+        })
     }
+
+    /// Runs a device operation; a device already lost, or one that wgpu treats as fatal (it panics
+    /// on some driver failures, device loss among them), becomes an error so the caller can fall
+    /// back to the CPU tier.
+    pub fn guard<T>(&self, operation: impl FnOnce() -> Result<T>) -> Result<T> {
+        if self.is_lost() {
+            return Err(Error::Gpu("the GPU device was lost".into()));
+        }
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(operation)) {
+            Ok(result) => result,
+            Err(panic) => {
+                self.lost.store(true, Ordering::SeqCst);
+                let what = panic
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| panic.downcast_ref::<&str>().copied())
+                    .unwrap_or("unknown failure");
+                Err(Error::Gpu(format!("the GPU device failed: {what}")))
+            }
+        }
+    }
+}
+
+/// `MemAvailable` of /proc/meminfo, where there is one.
+fn available_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }

@@ -374,8 +374,13 @@ pub fn prepare_rms_norm(
     )
 }
 
-fn rows_of(n: usize, per_group: usize) -> Result<u32> {
-    u32_of(n.div_ceil(per_group).max(1), "elements")
+impl GpuContext {
+    /// A grid for `n` invocations in workgroups of `size`: (x, y) with x within the per-dimension
+    /// limit; the kernel's index is `gid.x + gid.y * x * size`.
+    fn flat_groups(&self, n: usize, size: usize) -> Result<[u32; 3]> {
+        let (x, y) = self.row_groups(n.div_ceil(size))?;
+        Ok([x, y, 1])
+    }
 }
 
 /// Rotates `heads` heads of `tokens` rows of `x` in place with per-token `cos`/`sin` rows
@@ -387,21 +392,14 @@ pub fn prepare_rope(
     cos: &wgpu::Buffer,
     sin: &wgpu::Buffer,
 ) -> Result<Dispatch> {
+    let groups = ctx.flat_groups(tokens * heads * head_dim / 2, 64)?;
     let params = [
         u32_of(head_dim, "head_dim")?,
         u32_of(heads, "heads")?,
         u32_of(tokens, "tokens")?,
-        0,
+        groups[0],
     ];
-    let groups = rows_of(tokens * heads * head_dim / 2, 64)?;
-    ctx.prepare(
-        "rope.wgsl",
-        "rope",
-        &[],
-        &params,
-        &[x, cos, sin],
-        [groups, 1, 1],
-    )
+    ctx.prepare("rope.wgsl", "rope", &[], &params, &[x, cos, sin], groups)
 }
 
 /// Shape of one layer's attention on the GPU.
@@ -417,7 +415,7 @@ pub struct AttentionShape {
 }
 
 impl AttentionShape {
-    fn params(&self, tokens: usize) -> Result<[u32; 8]> {
+    fn params(&self, tokens: usize, groups_x: u32) -> Result<[u32; 8]> {
         let scaling = (self.head_dim as f64).powf(-0.5) as f32;
         Ok([
             u32_of(self.num_heads, "heads")?,
@@ -427,7 +425,7 @@ impl AttentionShape {
             u32_of(self.capacity, "capacity")?,
             u32_of(self.window.unwrap_or(0), "window")?,
             scaling.to_bits(),
-            0,
+            groups_x,
         ])
     }
 
@@ -453,15 +451,16 @@ pub fn prepare_kv_store(
     k_cache: &wgpu::Buffer,
     v_cache: &wgpu::Buffer,
 ) -> Result<Dispatch> {
-    let groups = rows_of(tokens * shape.num_kv_heads * shape.head_dim, 64)?;
+    let groups = ctx.flat_groups(tokens * shape.num_kv_heads * shape.head_dim, 64)?;
     let buffers = [step, k_new, v_new, k_cache, v_cache];
+    let params = shape.params(tokens, groups[0])?;
     ctx.prepare(
         "attention.wgsl",
         "store",
         &shape.defines("store"),
-        &shape.params(tokens)?,
+        &params,
         &buffers,
-        [groups, 1, 1],
+        groups,
     )
 }
 
@@ -484,32 +483,31 @@ pub fn prepare_attention(
         u32_of(shape.num_heads, "heads")?,
         1,
     ];
+    let params = shape.params(tokens, 0)?;
     ctx.prepare(
         "attention.wgsl",
         "attend",
         &shape.defines("attend"),
-        &shape.params(tokens)?,
+        &params,
         &buffers,
         workgroups,
     )
 }
 
+/// The MoE kernels' parameters: (tokens or rows, experts, top_k, width), (alpha, limit), groups_x.
 fn moe_params(
-    tokens: usize,
-    experts: usize,
-    top_k: usize,
-    width: usize,
-    alpha: f32,
-    limit: f32,
+    (rows, experts, top_k, width): (usize, usize, usize, usize),
+    (alpha, limit): (f32, f32),
+    groups_x: u32,
 ) -> Result<[u32; 8]> {
     Ok([
-        u32_of(tokens, "tokens")?,
+        u32_of(rows, "rows")?,
         u32_of(experts, "experts")?,
         u32_of(top_k, "top_k")?,
         u32_of(width, "width")?,
         alpha.to_bits(),
         limit.to_bits(),
-        0,
+        groups_x,
         0,
     ])
 }
@@ -522,7 +520,8 @@ pub fn prepare_route(
     ids: &wgpu::Buffer,
     weights: &wgpu::Buffer,
 ) -> Result<Dispatch> {
-    let params = moe_params(tokens, experts, top_k, 0, 0.0, 0.0)?;
+    let groups = ctx.flat_groups(tokens, 64)?;
+    let params = moe_params((tokens, experts, top_k, 0), (0.0, 0.0), groups[0])?;
     let defines = [("ROUTE", "1".to_string())];
     ctx.prepare(
         "moe.wgsl",
@@ -530,7 +529,7 @@ pub fn prepare_route(
         &defines,
         &params,
         &[logits, ids, weights],
-        [rows_of(tokens, 64)?, 1, 1],
+        groups,
     )
 }
 
@@ -539,10 +538,11 @@ pub fn prepare_swiglu(
     ctx: &GpuContext,
     gate_up: &wgpu::Buffer,
     (rows, width): (usize, usize),
-    (alpha, limit): (f32, f32),
+    alpha_limit: (f32, f32),
     act: &wgpu::Buffer,
 ) -> Result<Dispatch> {
-    let params = moe_params(rows, 0, 0, width, alpha, limit)?;
+    let groups = ctx.flat_groups(rows * width, 64)?;
+    let params = moe_params((rows, 0, 0, width), alpha_limit, groups[0])?;
     let defines = [("SWIGLU", "1".to_string())];
     ctx.prepare(
         "moe.wgsl",
@@ -550,7 +550,7 @@ pub fn prepare_swiglu(
         &defines,
         &params,
         &[gate_up, act],
-        [rows_of(rows * width, 64)?, 1, 1],
+        groups,
     )
 }
 
@@ -561,17 +561,36 @@ pub fn prepare_combine(
     (tokens, top_k, width): (usize, usize, usize),
     hidden: &wgpu::Buffer,
 ) -> Result<Dispatch> {
-    let params = moe_params(tokens, 0, top_k, width, 0.0, 0.0)?;
+    let groups = ctx.flat_groups(tokens * width, 64)?;
+    let params = moe_params((tokens, 0, top_k, width), (0.0, 0.0), groups[0])?;
     let defines = [("COMBINE", "1".to_string())];
-    let groups = rows_of(tokens * width, 64)?;
     ctx.prepare(
         "moe.wgsl",
         "combine",
         &defines,
         &params,
         &[ids, weights, down, hidden],
-        [groups, 1, 1],
+        groups,
     )
+}
+
+/// The elementwise kernels' parameters.
+fn elementwise_params(
+    count: usize,
+    tokens: usize,
+    (row_first, rows): (usize, usize),
+    groups_x: u32,
+) -> Result<[u32; 8]> {
+    Ok([
+        u32_of(count, "count")?,
+        u32_of(tokens, "tokens")?,
+        u32_of(row_first, "row")?,
+        u32_of(rows, "rows")?,
+        groups_x,
+        0,
+        0,
+        0,
+    ])
 }
 
 /// `y += x` over `count` values.
@@ -581,7 +600,8 @@ pub fn prepare_add(
     y: &wgpu::Buffer,
     count: usize,
 ) -> Result<Dispatch> {
-    let params = [u32_of(count, "count")?, 0, 0, 0];
+    let groups = ctx.flat_groups(count, 256)?;
+    let params = elementwise_params(count, 0, (0, 0), groups[0])?;
     let defines = [("ADD", "1".to_string())];
     ctx.prepare(
         "elementwise.wgsl",
@@ -589,7 +609,7 @@ pub fn prepare_add(
         &defines,
         &params,
         &[x, y],
-        [rows_of(count, 256)?, 1, 1],
+        groups,
     )
 }
 
@@ -600,7 +620,7 @@ pub fn prepare_argmax(
     count: usize,
     result: &wgpu::Buffer,
 ) -> Result<Dispatch> {
-    let params = [u32_of(count, "count")?, 0, 0, 0];
+    let params = elementwise_params(count, 0, (0, 0), 1)?;
     let defines = [("SELECT", "1".to_string())];
     ctx.prepare(
         "elementwise.wgsl",
@@ -624,28 +644,26 @@ impl GpuMatrix {
     ) -> Result<Vec<Dispatch>> {
         let format = format_define(self.format);
         let defines = [("EMBED", "1".to_string()), (format, "1".to_string())];
-        let groups = rows_of(tokens * self.cols, 256)?;
+        let groups = ctx.flat_groups(tokens * self.cols, 256)?;
         self.chunks
             .iter()
             .map(|(first, rows, buffer)| {
-                let params = [
-                    u32_of(self.cols, "cols")?,
-                    u32_of(tokens, "tokens")?,
-                    u32_of(*first, "row")?,
-                    u32_of(*rows, "rows")?,
-                ];
+                let params = elementwise_params(self.cols, tokens, (*first, *rows), groups[0])?;
                 ctx.prepare(
                     "elementwise.wgsl",
                     "embed",
                     &defines,
                     &params,
                     &[buffer, token_ids, y],
-                    [groups, 1, 1],
+                    groups,
                 )
             })
             .collect()
     }
 }
+
+/// Most logits the GPU's top-k reads back per step (it makes k passes over the vocabulary).
+pub const MAX_GPU_TOP_LOGITS: usize = 64;
 
 /// The `k` largest of `count` values, largest first, as `result[2s] = index`,
 /// `result[2s + 1] = value bits` (`2k` words).
@@ -656,7 +674,7 @@ pub fn prepare_top_k(
     k: usize,
     result: &wgpu::Buffer,
 ) -> Result<Dispatch> {
-    let params = [u32_of(count, "count")?, 0, 0, u32_of(k, "k")?];
+    let params = elementwise_params(count, 0, (0, k), 1)?;
     let defines = [("SELECT", "1".to_string())];
     ctx.prepare(
         "elementwise.wgsl",

@@ -45,10 +45,11 @@ impl GpuContext {
     /// A zeroed storage buffer of `bytes` bytes (at least 4).
     pub fn zeroed(&self, label: &str, bytes: u64) -> Result<wgpu::Buffer> {
         let size = bytes.max(4).div_ceil(4) * 4;
-        if size > self.max_buffer_bytes {
+        // Every buffer made here is bound whole to a kernel.
+        if size > self.max_binding_bytes {
             return Err(Error::Gpu(format!(
-                "{label}: {size} bytes exceed the adapter's buffer limit of {} bytes",
-                self.max_buffer_bytes
+                "{label}: {size} bytes exceed what one binding may cover on this adapter ({} bytes)",
+                self.max_binding_bytes
             )));
         }
         Ok(self.device.create_buffer(&wgpu::BufferDescriptor {

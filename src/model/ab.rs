@@ -70,7 +70,7 @@ pub fn compare_tiers(
     let adapter = ctx.adapter.clone();
     let options = GpuTierOptions {
         context,
-        max_block: DEFAULT_GPU_BLOCK.max(prompt.len()),
+        max_block: DEFAULT_GPU_BLOCK,
         top_logits: TOP,
     };
     let mut gpu = GpuModel::new(ctx, &model.config, &model.weights, options)?;

@@ -187,7 +187,7 @@ impl<'a> FallbackSession<'a> {
             model,
             context,
             gpu: None,
-            cpu: None,
+            cpu: Some(CpuSession::new(model, context)),
             history: Vec::new(),
         }
     }
@@ -258,11 +258,16 @@ impl Session for FallbackSession<'_> {
                     self.history.extend_from_slice(tokens);
                     return Ok(step);
                 }
-                Err(Error::Gpu(message)) if gpu.ctx.is_lost() => {
-                    log::warn!("{message}: continuing on the CPU tier for the rest of the run");
+                // A lost device, or one that cannot go on (e.g. the KV cache outgrew it): the CPU
+                // tier takes over, rebuilding its cache from the tokens fed so far.
+                Err(Error::Gpu(message)) => {
+                    log::warn!(
+                        "GPU: {message}; continuing on the CPU tier for the rest of the run"
+                    );
                     self.gpu = None;
                     let mut cpu = CpuSession::new(self.model, self.context);
                     if !self.history.is_empty() {
+                        // On failure no CPU session is kept: every later feed fails too.
                         cpu.feed(&self.history, 0)?;
                     }
                     self.cpu = Some(cpu);
@@ -270,9 +275,11 @@ impl Session for FallbackSession<'_> {
                 Err(e) => return Err(e),
             }
         }
-        let cpu = self
-            .cpu
-            .get_or_insert_with(|| CpuSession::new(self.model, self.context));
+        let cpu = self.cpu.as_mut().ok_or_else(|| {
+            Error::InvalidArgument(
+                "this session lost its GPU and could not rebuild its cache on the CPU".into(),
+            )
+        })?;
         let step = cpu.feed(tokens, top_logits)?;
         self.history.extend_from_slice(tokens);
         Ok(step)

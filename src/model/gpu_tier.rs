@@ -13,9 +13,9 @@ use crate::cpu::rope::RopeTable;
 use crate::error::{Error, Result};
 use crate::gpu::GpuContext;
 use crate::gpu::kernels::{
-    AttentionShape, Dispatch, GpuExperts, GpuMatrix, prepare_add, prepare_attention,
-    prepare_combine, prepare_kv_store, prepare_rms_norm, prepare_rope, prepare_route,
-    prepare_swiglu, prepare_top_k,
+    AttentionShape, Dispatch, GpuExperts, GpuMatrix, MAX_GPU_TOP_LOGITS, prepare_add,
+    prepare_attention, prepare_combine, prepare_kv_store, prepare_rms_norm, prepare_rope,
+    prepare_route, prepare_swiglu, prepare_top_k,
 };
 use crate::weights::ModelWeights;
 
@@ -183,8 +183,15 @@ impl GpuModel {
         weights: &ModelWeights,
         options: GpuTierOptions,
     ) -> Result<GpuModel> {
+        ctx.check_fits(weights.bytes() as u64)?;
+        if options.top_logits > MAX_GPU_TOP_LOGITS {
+            return Err(Error::InvalidArgument(format!(
+                "the GPU reports at most {MAX_GPU_TOP_LOGITS} logits per step ({} asked); use --backend cpu for more",
+                options.top_logits
+            )));
+        }
         let options = GpuTierOptions {
-            top_logits: options.top_logits.clamp(2, cfg.vocab_size),
+            top_logits: options.top_logits.max(2).min(cfg.vocab_size),
             max_block: options.max_block.max(1),
             ..options
         };
@@ -287,12 +294,18 @@ impl GpuModel {
     /// KV buffers of layer `l` able to hold `needed` positions: a ring of window + block - 1 slots
     /// for sliding layers, every position (grown in steps) for full ones.
     fn new_kv(&self, l: usize, needed: usize) -> Result<KvBuffers> {
-        let capacity = match self.config.window_of(l) {
+        // A sliding layer's ring must hold every key a block's queries read.
+        let wanted = match self.config.window_of(l) {
             Some(w) => w + self.options.max_block - 1,
             None => needed.max(256).next_power_of_two(),
         }
-        .min(self.options.context.max(1))
-        .min(self.max_kv_positions());
+        .min(self.options.context.max(1));
+        let capacity = wanted.min(self.max_kv_positions());
+        if self.config.window_of(l).is_some() && capacity < wanted {
+            return Err(Error::Gpu(format!(
+                "layer {l}: a ring of {wanted} key positions exceeds this GPU's binding limit ({capacity})"
+            )));
+        }
         let bytes = (capacity * self.config.kv_dim() * 4) as u64;
         Ok(KvBuffers {
             keys: self.ctx.zeroed(&format!("layer {l} keys"), bytes)?,
@@ -599,7 +612,11 @@ impl GpuModel {
             self.run_block(block, b == last)?;
         }
         let top = self.read_top()?;
-        let margin = top[0].1 - top[1].1;
+        let margin = if top.len() >= 2 {
+            top[0].1 - top[1].1
+        } else {
+            f32::INFINITY
+        };
         Ok(Step {
             id: top[0].0,
             top: top.into_iter().take(top_logits).collect(),
@@ -609,7 +626,8 @@ impl GpuModel {
 
     fn run_block(&mut self, tokens: &[u32], head: bool) -> Result<()> {
         let n = tokens.len();
-        self.ensure_kv(self.len + n)?;
+        let needed = self.len + n;
+        self.scoped(|model| model.ensure_kv(needed))?;
         let q = &self.ctx.queue;
         q.write_buffer(
             &self.act.step,
@@ -626,16 +644,23 @@ impl GpuModel {
         q.write_buffer(&self.act.cos, 0, bytemuck::cast_slice(&cos));
         q.write_buffer(&self.act.sin, 0, bytemuck::cast_slice(&sin));
         if !self.plans.contains_key(&(n, head)) {
-            let plan = self.build_plan(n, head)?;
+            // Plans of odd block sizes (prompt remainders) are not worth keeping forever.
+            if self.plans.len() >= 8 {
+                self.plans.retain(|key, _| *key == (1, true));
+            }
+            let plan = self.scoped(|model| model.build_plan(n, head))?;
             self.plans.insert((n, head), plan);
         }
         if self.debug {
             return self.run_block_debug(n, head);
         }
         let plan = &self.plans[&(n, head)];
-        let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
-        record(&mut encoder, plan);
-        self.ctx.queue.submit([encoder.finish()]);
+        self.ctx.guard(|| {
+            let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
+            record(&mut encoder, plan);
+            self.ctx.queue.submit([encoder.finish()]);
+            Ok(())
+        })?;
         self.counters.submits += 1;
         self.len += n;
         if self.ctx.is_lost() {
@@ -707,29 +732,61 @@ impl GpuModel {
             .collect())
     }
 
-    /// Router top-k ids of every layer at every position of `prompt` (a fresh cache), for A/B
-    /// comparisons: `[layer][position][slot]`.
+    /// Router top-k ids of every layer at every position of `prompt`, run from position 0 block
+    /// by block, for A/B comparisons: `[layer][position][slot]`. Leaves the cache holding the prompt.
     pub fn trace_routing(&mut self, prompt: &[u32]) -> Result<Vec<Vec<Vec<u32>>>> {
-        let (layers, k) = (self.config.num_layers, self.config.experts_per_token);
-        if prompt.len() > self.options.max_block {
-            return Err(Error::InvalidArgument(format!(
-                "routing traces cover one block: the prompt has {} tokens, the block {}",
-                prompt.len(),
-                self.options.max_block
-            )));
+        let (layers, k, block) = (
+            self.config.num_layers,
+            self.config.experts_per_token,
+            self.options.max_block,
+        );
+        self.reset();
+        let trace = self.scoped(|model| {
+            model
+                .ctx
+                .zeroed("routing trace", (layers * block * k * 4) as u64)
+        })?;
+        self.act.routing_trace = Some(trace.clone());
+        self.plans.clear();
+        let mut routing: Vec<Vec<Vec<u32>>> = vec![Vec::new(); layers];
+        let mut result = Ok(());
+        for chunk in prompt.chunks(block) {
+            result = self.run_block(chunk, false).and_then(|()| {
+                let used = layers * chunk.len() * k;
+                let ids: Vec<u32> =
+                    bytemuck::pod_collect_to_vec(&self.ctx.read_back(&trace, (used * 4) as u64)?);
+                for (l, layer) in ids.chunks(chunk.len() * k).enumerate() {
+                    routing[l].extend(layer.chunks(k).map(|slots| slots.to_vec()));
+                }
+                Ok(())
+            });
+            if result.is_err() {
+                break;
+            }
         }
-        let bytes = (layers * prompt.len() * k * 4) as u64;
-        self.act.routing_trace = Some(self.ctx.zeroed("routing trace", bytes)?);
+        self.act.routing_trace = None;
         self.plans.clear();
-        let result = self.feed(prompt, 0);
-        let trace = self.act.routing_trace.take().expect("set above");
-        self.plans.clear();
-        result?;
-        let ids: Vec<u32> = bytemuck::pod_collect_to_vec(&self.ctx.read_back(&trace, bytes)?);
-        Ok(ids
-            .chunks(prompt.len() * k)
-            .map(|layer| layer.chunks(k).map(|slots| slots.to_vec()).collect())
-            .collect())
+        result.map(|()| routing)
+    }
+
+    /// Runs `operation` with out-of-memory and validation errors caught as errors (wgpu would
+    /// otherwise report them to its default handler, which panics).
+    fn scoped<T>(&mut self, operation: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        let oom = self
+            .ctx
+            .device
+            .push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let validation = self
+            .ctx
+            .device
+            .push_error_scope(wgpu::ErrorFilter::Validation);
+        let result = operation(self);
+        let validation = pollster::block_on(validation.pop());
+        let oom = pollster::block_on(oom.pop());
+        match (result, validation.or(oom)) {
+            (Ok(_), Some(error)) => Err(Error::Gpu(error.to_string())),
+            (result, _) => result,
+        }
     }
 
     /// Turns the debug mode (one checked submission per kernel) on or off.
