@@ -4,13 +4,16 @@
 //! - [`config`]: `config.json` mirrored with serde, every dimension read from it.
 //! - [`weights`]: safetensors checkpoints (single or sharded) mapped with memmap2, L0 validation.
 //! - [`cpu`]: the CPU tier's kernels, the reference for every other tier.
-//! - [`model`]: the forward pass, KV cache, sampler and generation loop.
+//! - [`gpu`]: the GPU tier's device, pipelines and kernels (wgpu + WGSL).
+//! - [`model`]: the forward passes (CPU and GPU tiers), KV cache, sampler and generation loop.
+//! - [`synth`]: random checkpoints in the real layout, for benchmarks.
 
 pub mod config;
 pub mod cpu;
 pub mod error;
 pub mod gpu;
 pub mod model;
+pub mod synth;
 pub mod weights;
 
 pub use config::Config;

@@ -34,6 +34,15 @@ enum Backend {
     Auto,
 }
 
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum ShapeArg {
+    #[value(name = "gpt-oss-20b")]
+    GptOss20b,
+    #[value(name = "gpt-oss-120b")]
+    GptOss120b,
+    Tiny,
+}
+
 impl From<Backend> for BackendChoice {
     fn from(b: Backend) -> BackendChoice {
         match b {
@@ -91,6 +100,20 @@ enum Command {
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
+    },
+    /// Write a random checkpoint in the real HF layout (the published config.json, MXFP4 experts,
+    /// bf16 dense weights, sharded like the published files), for benchmarks.
+    Synth {
+        #[arg(long, value_enum)]
+        shape: ShapeArg,
+        /// Directory to write (created if needed).
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Close a shard before it passes this many bytes (the published files use 4.8 GB).
+        #[arg(long, default_value_t = picchio::synth::DEFAULT_SHARD_BYTES)]
+        shard_bytes: u64,
     },
     /// List the GPU adapters wgpu finds (best first), with backend, type, driver, limits and features.
     Devices {
@@ -219,6 +242,12 @@ fn run(cli: Cli) -> Result<()> {
         Command::Ab { prompt, json } => ab(&prompt, json),
         Command::Inspect { model, json } => inspect(&model, json),
         Command::Devices { json } => devices(json),
+        Command::Synth {
+            shape,
+            out,
+            seed,
+            shard_bytes,
+        } => synth(shape, out, seed, shard_bytes),
     }
 }
 
@@ -392,6 +421,46 @@ fn devices(json: bool) -> Result<()> {
                 picchio::gpu::context::ALLOW_SOFTWARE_ENV
             );
         }
+    }
+    Ok(())
+}
+
+fn synth(shape: ShapeArg, out: PathBuf, seed: u64, shard_bytes: u64) -> Result<()> {
+    use picchio::synth::{SynthOptions, SynthShape, planned_bytes, synthesize};
+    let shape = match shape {
+        ShapeArg::GptOss20b => SynthShape::GptOss20b,
+        ShapeArg::GptOss120b => SynthShape::GptOss120b,
+        ShapeArg::Tiny => SynthShape::Tiny,
+    };
+    if shard_bytes == 0 {
+        bail!("--shard-bytes must be positive");
+    }
+    let bar = indicatif::ProgressBar::new(planned_bytes(shape)?);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        )
+        .expect("a valid template"),
+    );
+    let options = SynthOptions {
+        shape,
+        out: out.clone(),
+        seed,
+        shard_bytes,
+    };
+    let started = std::time::Instant::now();
+    let report = synthesize(&options, &|n| bar.inc(n))?;
+    bar.finish_and_clear();
+    log::info!(
+        "wrote {} tensors, {} in {} file(s) to {} in {:.1} s",
+        report.tensors,
+        human(report.total_bytes as usize),
+        report.shards.len(),
+        out.display(),
+        started.elapsed().as_secs_f64()
+    );
+    for (path, bytes) in &report.shards {
+        println!("{}\t{bytes}", path.display());
     }
     Ok(())
 }

@@ -1,0 +1,381 @@
+//! Random GPT-OSS checkpoints in the real Hugging Face layout, for benchmarks: the published
+//! config.json, MXFP4 experts (random codes, E8M0 scales that keep activations sane), bf16 dense
+//! weights, sharded like the published checkpoints (greedy cut at about 4.8 GB, openai's 0-based
+//! shard names, `model.safetensors.index.json`).
+//!
+//! The values are random, so routing is not what a trained model does: use these checkpoints for
+//! speed and memory, never for quality.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use rayon::prelude::*;
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+
+/// Checkpoint shapes `synth` knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SynthShape {
+    GptOss20b,
+    GptOss120b,
+    /// A tiny model with the real config keys, for tests.
+    Tiny,
+}
+
+impl SynthShape {
+    /// The config.json text, verbatim.
+    pub fn config_text(self) -> &'static str {
+        match self {
+            SynthShape::GptOss20b => include_str!("../fixtures/configs/gpt-oss-20b.config.json"),
+            SynthShape::GptOss120b => include_str!("../fixtures/configs/gpt-oss-120b.config.json"),
+            SynthShape::Tiny => include_str!("../fixtures/tiny-single/config.json"),
+        }
+    }
+}
+
+/// What to write.
+#[derive(Debug, Clone)]
+pub struct SynthOptions {
+    pub shape: SynthShape,
+    pub out: PathBuf,
+    pub seed: u64,
+    /// A shard is closed before the tensor that would take it past this many bytes.
+    pub shard_bytes: u64,
+}
+
+/// The published checkpoints' shard size.
+pub const DEFAULT_SHARD_BYTES: u64 = 4_800_000_000;
+
+/// How a tensor's bytes are made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Content {
+    /// bf16, uniform with standard deviation 0.02.
+    Weights,
+    /// bf16 ones (norm weights).
+    Ones,
+    /// bf16 zeros (attention sinks).
+    Zeros,
+    /// Random bytes (MXFP4 codes).
+    RandomBytes,
+    /// E8M0 bytes 118..=121: dequantized weights with standard deviation of about 0.026.
+    Scales,
+}
+
+#[derive(Debug, Clone)]
+struct Planned {
+    name: String,
+    dtype: &'static str,
+    shape: Vec<usize>,
+    content: Content,
+}
+
+impl Planned {
+    fn bytes(&self) -> u64 {
+        let elements: usize = self.shape.iter().product();
+        (elements * if self.dtype == "BF16" { 2 } else { 1 }) as u64
+    }
+}
+
+/// Every tensor of a GPT-OSS checkpoint for `cfg`, in checkpoint order.
+fn plan(cfg: &Config) -> Vec<Planned> {
+    let (h, i, e) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_experts);
+    let t = |name: String, dtype, shape: Vec<usize>, content| Planned {
+        name,
+        dtype,
+        shape,
+        content,
+    };
+    let mut tensors = vec![t(
+        "model.embed_tokens.weight".into(),
+        "BF16",
+        vec![cfg.vocab_size, h],
+        Content::Weights,
+    )];
+    for l in 0..cfg.num_layers {
+        let p = format!("model.layers.{l}");
+        let attention = format!("{p}.self_attn");
+        let experts = format!("{p}.mlp.experts");
+        tensors.push(t(
+            format!("{p}.input_layernorm.weight"),
+            "BF16",
+            vec![h],
+            Content::Ones,
+        ));
+        for (name, rows, cols) in [
+            ("q_proj", cfg.q_dim(), h),
+            ("k_proj", cfg.kv_dim(), h),
+            ("v_proj", cfg.kv_dim(), h),
+            ("o_proj", h, cfg.q_dim()),
+        ] {
+            tensors.push(t(
+                format!("{attention}.{name}.weight"),
+                "BF16",
+                vec![rows, cols],
+                Content::Weights,
+            ));
+            tensors.push(t(
+                format!("{attention}.{name}.bias"),
+                "BF16",
+                vec![rows],
+                Content::Weights,
+            ));
+        }
+        tensors.push(t(
+            format!("{attention}.sinks"),
+            "BF16",
+            vec![cfg.num_heads],
+            Content::Zeros,
+        ));
+        tensors.push(t(
+            format!("{p}.post_attention_layernorm.weight"),
+            "BF16",
+            vec![h],
+            Content::Ones,
+        ));
+        tensors.push(t(
+            format!("{p}.mlp.router.weight"),
+            "BF16",
+            vec![e, h],
+            Content::Weights,
+        ));
+        tensors.push(t(
+            format!("{p}.mlp.router.bias"),
+            "BF16",
+            vec![e],
+            Content::Weights,
+        ));
+        for (name, rows, cols) in [("gate_up_proj", 2 * i, h), ("down_proj", h, i)] {
+            tensors.push(t(
+                format!("{experts}.{name}_blocks"),
+                "U8",
+                vec![e, rows, cols / 32, 16],
+                Content::RandomBytes,
+            ));
+            tensors.push(t(
+                format!("{experts}.{name}_scales"),
+                "U8",
+                vec![e, rows, cols / 32],
+                Content::Scales,
+            ));
+            tensors.push(t(
+                format!("{experts}.{name}_bias"),
+                "BF16",
+                vec![e, rows],
+                Content::Weights,
+            ));
+        }
+    }
+    tensors.push(t(
+        "model.norm.weight".into(),
+        "BF16",
+        vec![h],
+        Content::Ones,
+    ));
+    tensors.push(t(
+        "lm_head.weight".into(),
+        "BF16",
+        vec![cfg.vocab_size, h],
+        Content::Weights,
+    ));
+    tensors
+}
+
+/// A greedy cut: each shard takes tensors in order until the next would pass `limit` bytes.
+fn shard(tensors: &[Planned], limit: u64) -> Vec<Vec<Planned>> {
+    let mut shards: Vec<Vec<Planned>> = vec![Vec::new()];
+    let mut used = 0u64;
+    for tensor in tensors {
+        let bytes = tensor.bytes();
+        if used + bytes > limit && !shards.last().unwrap().is_empty() {
+            shards.push(Vec::new());
+            used = 0;
+        }
+        used += bytes;
+        shards.last_mut().unwrap().push(tensor.clone());
+    }
+    shards
+}
+
+/// SplitMix64: a fast, well-mixed generator; each 1 MiB block of a tensor gets its own stream,
+/// so blocks are generated in parallel and the output depends only on the seed.
+fn splitmix(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+const BLOCK: usize = 1 << 20;
+
+fn fill(content: Content, seed: u64, out: &mut [u8]) {
+    let mut state = seed;
+    match content {
+        Content::Ones => out
+            .chunks_exact_mut(2)
+            .for_each(|b| b.copy_from_slice(&0x3F80u16.to_le_bytes())),
+        Content::Zeros => out.fill(0),
+        Content::RandomBytes => out.chunks_mut(8).for_each(|b| {
+            let r = splitmix(&mut state).to_le_bytes();
+            b.copy_from_slice(&r[..b.len()]);
+        }),
+        Content::Scales => out.chunks_mut(8).for_each(|b| {
+            let r = splitmix(&mut state).to_le_bytes();
+            for (byte, random) in b.iter_mut().zip(r) {
+                *byte = 118 + random % 4;
+            }
+        }),
+        Content::Weights => out.chunks_mut(8).for_each(|b| {
+            let r = splitmix(&mut state);
+            for (k, pair) in b.chunks_exact_mut(2).enumerate() {
+                // Uniform on [-a, a] with a = 0.02 * sqrt(3): standard deviation 0.02.
+                let unit = ((r >> (16 * k)) & 0xFFFF) as f32 / 65535.0;
+                let value = (unit * 2.0 - 1.0) * 0.034_641;
+                pair.copy_from_slice(&half::bf16::from_f32(value).to_le_bytes());
+            }
+        }),
+    }
+}
+
+fn io(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
+    move |e| Error::io(path, e)
+}
+
+/// What was written.
+#[derive(Debug, Clone)]
+pub struct SynthReport {
+    pub tensors: usize,
+    pub total_bytes: u64,
+    pub shards: Vec<(PathBuf, u64)>,
+}
+
+/// Bytes `options` will write (tensor data), for progress reporting.
+pub fn planned_bytes(shape: SynthShape) -> Result<u64> {
+    let cfg = Config::from_json(shape.config_text(), Path::new("config.json"))?;
+    Ok(plan(&cfg).iter().map(Planned::bytes).sum())
+}
+
+/// Writes the checkpoint; `progress(bytes)` is called as tensor data is written.
+pub fn synthesize(options: &SynthOptions, progress: &(dyn Fn(u64) + Sync)) -> Result<SynthReport> {
+    let text = options.shape.config_text();
+    let cfg = Config::from_json(text, Path::new("config.json"))?;
+    let out = &options.out;
+    std::fs::create_dir_all(out).map_err(io(out))?;
+    let config_path = out.join("config.json");
+    std::fs::write(&config_path, text).map_err(io(&config_path))?;
+
+    let tensors = plan(&cfg);
+    let shards = shard(&tensors, options.shard_bytes);
+    let names: Vec<String> = if shards.len() == 1 {
+        vec!["model.safetensors".into()]
+    } else {
+        let last = shards.len() - 1;
+        (0..shards.len())
+            .map(|s| format!("model-{s:05}-of-{last:05}.safetensors"))
+            .collect()
+    };
+    let mut weight_map = serde_json::Map::new();
+    let mut report = SynthReport {
+        tensors: tensors.len(),
+        total_bytes: 0,
+        shards: Vec::new(),
+    };
+    let mut tensor_index = 0u64;
+    for (tensors, name) in shards.iter().zip(&names) {
+        let path = out.join(name);
+        let mut header = serde_json::Map::new();
+        header.insert("__metadata__".into(), serde_json::json!({"format": "pt"}));
+        let mut offset = 0u64;
+        for t in tensors {
+            header.insert(
+                t.name.clone(),
+                serde_json::json!({"dtype": t.dtype, "shape": t.shape, "data_offsets": [offset, offset + t.bytes()]}),
+            );
+            offset += t.bytes();
+            weight_map.insert(t.name.clone(), name.clone().into());
+        }
+        let mut header = serde_json::Value::Object(header).to_string().into_bytes();
+        header.resize(header.len().div_ceil(8) * 8, b' ');
+        let file = File::create(&path).map_err(io(&path))?;
+        let mut writer = BufWriter::with_capacity(8 << 20, file);
+        writer
+            .write_all(&(header.len() as u64).to_le_bytes())
+            .map_err(io(&path))?;
+        writer.write_all(&header).map_err(io(&path))?;
+        let mut buffer = Vec::new();
+        for t in tensors {
+            tensor_index += 1;
+            let tensor_seed = options.seed ^ tensor_index.wrapping_mul(0xD1B5_4A32_D192_ED03);
+            let bytes = t.bytes() as usize;
+            // 64 MiB at a time, filled in parallel 1 MiB blocks.
+            for start in (0..bytes).step_by(64 * BLOCK) {
+                let len = (bytes - start).min(64 * BLOCK);
+                buffer.resize(len, 0);
+                buffer
+                    .par_chunks_mut(BLOCK)
+                    .enumerate()
+                    .for_each(|(b, chunk)| {
+                        let block = (start / BLOCK + b) as u64;
+                        fill(
+                            t.content,
+                            tensor_seed ^ block.wrapping_mul(0x2545_F491_4F6C_DD1D),
+                            chunk,
+                        );
+                    });
+                writer.write_all(&buffer).map_err(io(&path))?;
+                progress(len as u64);
+            }
+        }
+        writer.flush().map_err(io(&path))?;
+        report.total_bytes += offset;
+        report.shards.push((path, offset));
+    }
+    if names.len() > 1 {
+        let index_path = out.join("model.safetensors.index.json");
+        let index = serde_json::json!({"metadata": {"total_size": report.total_bytes}, "weight_map": weight_map});
+        std::fs::write(&index_path, index.to_string()).map_err(io(&index_path))?;
+    }
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn real_20b_layout_matches_the_published_checkpoint() {
+        let cfg = Config::from_json(SynthShape::GptOss20b.config_text(), Path::new("c")).unwrap();
+        let tensors = plan(&cfg);
+        // The published gpt-oss-20b: 459 tensors, 13,761,264,768 bytes, three shards.
+        assert_eq!(tensors.len(), 459);
+        let total: u64 = tensors.iter().map(Planned::bytes).sum();
+        assert_eq!(total, 13_761_264_768);
+        let shards = shard(&tensors, DEFAULT_SHARD_BYTES);
+        assert_eq!(shards.len(), 3);
+        for s in &shards {
+            let bytes: u64 = s.iter().map(Planned::bytes).sum();
+            assert!(
+                bytes <= DEFAULT_SHARD_BYTES && bytes > 4_000_000_000,
+                "{bytes}"
+            );
+        }
+    }
+
+    #[test]
+    fn scales_and_weights_stay_in_their_ranges() {
+        let mut scales = vec![0u8; 4096];
+        fill(Content::Scales, 7, &mut scales);
+        assert!(scales.iter().all(|b| (118..=121).contains(b)));
+        let mut weights = vec![0u8; 8192];
+        fill(Content::Weights, 7, &mut weights);
+        let values: Vec<f32> = weights
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect();
+        let std = (values.iter().map(|v| v * v).sum::<f32>() / values.len() as f32).sqrt();
+        assert!((std - 0.02).abs() < 0.002, "std {std}");
+        assert!(values.iter().all(|v| v.abs() <= 0.035));
+    }
+}
