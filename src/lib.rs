@@ -11,6 +11,7 @@
 pub mod config;
 pub mod cpu;
 pub mod error;
+pub mod experts;
 pub mod gpu;
 pub mod model;
 pub mod synth;

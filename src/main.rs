@@ -69,6 +69,22 @@ struct PromptArgs {
     /// max_position_embeddings.
     #[arg(long, value_name = "N")]
     context: Option<usize>,
+    /// RAM for the CPU tier's expert cache: bytes (4G, 512M), N% of the model's expert bytes,
+    /// or auto (what the system has available, less dense weights and a reserve). 0 streams every
+    /// expert from disk.
+    #[arg(long, default_value = "auto", value_name = "BYTES|N%|auto")]
+    ram_budget: picchio::experts::RamBudget,
+}
+
+impl PromptArgs {
+    fn load(&self) -> Result<Model> {
+        let options = picchio::model::ModelOptions {
+            ram_budget: self.ram_budget,
+            ..Default::default()
+        };
+        // Load errors name the file and tensor already.
+        Ok(Model::load_with(&self.model, &options)?)
+    }
 }
 
 #[derive(Subcommand)]
@@ -147,22 +163,16 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Generate {
-            prompt:
-                PromptArgs {
-                    model,
-                    ids,
-                    max_new_tokens,
-                    context,
-                },
+            prompt,
             backend,
             stats,
             json,
             top_logits,
             ignore_eos,
         } => {
-            // Load errors name the file and tensor already.
-            let loaded = Model::load(&model)?;
-            let context = resolve_context(&loaded, context)?;
+            let loaded = prompt.load()?;
+            let (model, ids, max_new_tokens) = (&prompt.model, &prompt.ids, prompt.max_new_tokens);
+            let context = resolve_context(&loaded, prompt.context)?;
             log::info!(
                 "{}: {} layers, {} experts (top {})",
                 model.display(),
@@ -170,7 +180,7 @@ fn run(cli: Cli) -> Result<()> {
                 loaded.config.num_experts,
                 loaded.config.experts_per_token
             );
-            validate_prompt(&loaded.config, &ids, context)?;
+            validate_prompt(&loaded.config, ids, context)?;
             let mut session = open_session(&loaded, backend.into(), context, top_logits)?;
             let adapter = session.gpu().map(|g| g.ctx.adapter.clone());
             let options = GenerateOptions {
@@ -182,7 +192,7 @@ fn run(cli: Cli) -> Result<()> {
             // GPU counters at the end of the prefill and of the run: the decode phase's share.
             let mut marks = Vec::new();
             let out =
-                generate_observed(&mut session, &loaded.config, &ids, &options, &mut |s, _| {
+                generate_observed(&mut session, &loaded.config, ids, &options, &mut |s, _| {
                     marks.push(s.gpu_counters())
                 })?;
             let ran_on = session.backend();
@@ -230,7 +240,19 @@ fn run(cli: Cli) -> Result<()> {
                         }
                         _ => serde_json::Value::Null,
                     };
-                    object["stats"] = json!({ "gpu": gpu });
+                    let experts = loaded.experts.stats();
+                    object["stats"] = json!({
+                        "gpu": gpu,
+                        "experts": {
+                            "requests": experts.requests,
+                            "ram_hits": experts.ram_hits,
+                            "disk_reads": experts.disk_reads,
+                            "disk_bytes": experts.disk_bytes,
+                            "evictions": experts.evictions,
+                            "ram_budget_bytes": loaded.experts.budget(),
+                        },
+                        "time_ms": {"io_wait": experts.io_wait_ms},
+                    });
                 }
                 println!("{object}");
             } else {
@@ -261,7 +283,7 @@ fn resolve_context(model: &Model, context: Option<usize>) -> Result<usize> {
 
 /// `picchio ab`: both tiers on the same prompt; non-zero exit on any disagreement.
 fn ab(prompt: &PromptArgs, json: bool) -> Result<()> {
-    let model = Model::load(&prompt.model)?;
+    let model = prompt.load()?;
     let context = resolve_context(&model, prompt.context)?;
     let report =
         picchio::model::ab::compare_tiers(&model, &prompt.ids, prompt.max_new_tokens, context)?;

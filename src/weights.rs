@@ -61,6 +61,14 @@ impl TensorBytes {
         }
     }
 
+    /// A range of a shared in-memory buffer (one read holding several tensors).
+    pub fn shared(buffer: Arc<[u8]>, range: Range<usize>) -> TensorBytes {
+        TensorBytes {
+            backing: Backing::Owned(buffer),
+            range,
+        }
+    }
+
     /// Bytes held in memory rather than in a checkpoint file (tests, benches, converted data).
     pub fn from_vec(bytes: Vec<u8>) -> TensorBytes {
         TensorBytes {
@@ -494,6 +502,15 @@ pub fn tensor_format(name: &str, dtype: Dtype) -> String {
 }
 
 impl ExpertMatrices {
+    /// Number of experts.
+    pub fn experts(&self) -> usize {
+        match self {
+            ExpertMatrices::Mxfp4(m) => m.experts,
+            ExpertMatrices::Int4(m) => m.experts,
+            ExpertMatrices::Dense(d) => d.experts,
+        }
+    }
+
     /// Bytes of all experts of this projection.
     pub fn bytes(&self) -> usize {
         match self {

@@ -17,6 +17,7 @@ use crate::cpu::moe::{Routing, clamped_swiglu, route};
 use crate::cpu::norm::rms_norm;
 use crate::cpu::rope::RopeTable;
 use crate::error::{Error, Result};
+use crate::experts::{ExpertStore, RamBudget};
 use crate::weights::{Checkpoint, LayerWeights, ModelWeights};
 pub use kv_cache::KvCache;
 
@@ -31,26 +32,57 @@ pub struct LayerTrace {
     pub after_moe: Vec<f32>,
 }
 
-/// A loaded model: configuration, validated weights (mapped, not copied) and RoPE tables.
+/// A loaded model: configuration, validated weights (mapped, not copied), the expert store the
+/// CPU tier reads experts through, and RoPE tables.
 pub struct Model {
     pub config: Config,
     pub checkpoint: Checkpoint,
     pub weights: ModelWeights,
+    pub experts: ExpertStore,
     rope: RopeTable,
+}
+
+/// How a model is loaded.
+#[derive(Debug, Clone)]
+pub struct ModelOptions {
+    /// RAM the CPU tier's expert cache may hold.
+    pub ram_budget: RamBudget,
+    /// Threads reading experts from disk.
+    pub io_threads: usize,
+}
+
+impl Default for ModelOptions {
+    fn default() -> Self {
+        ModelOptions {
+            ram_budget: RamBudget::Auto,
+            io_threads: 4,
+        }
+    }
 }
 
 impl Model {
     /// Loads `DIR/config.json` and the checkpoint's safetensors, enforcing the L0 contract.
     pub fn load(dir: &Path) -> Result<Model> {
+        Model::load_with(dir, &ModelOptions::default())
+    }
+
+    pub fn load_with(dir: &Path, options: &ModelOptions) -> Result<Model> {
         crate::weights::require_dir(dir)?;
         let config = Config::load(dir)?;
         let checkpoint = Checkpoint::open(dir)?;
         let weights = ModelWeights::load(&checkpoint, &config)?;
+        let experts = ExpertStore::open(
+            &checkpoint,
+            &weights,
+            options.ram_budget,
+            options.io_threads,
+        )?;
         let rope = RopeTable::new(&config);
         Ok(Model {
             config,
             checkpoint,
             weights,
+            experts,
             rope,
         })
     }
@@ -111,7 +143,7 @@ impl Model {
                 cfg.rms_norm_eps,
                 &mut normed,
             );
-            let (moe, routings) = self.moe(layer, &normed);
+            let (moe, routings) = self.moe(l, layer, &normed)?;
             add_into(&mut hidden, &moe);
             if let (Some(trace), Some(after_attention)) = (trace.as_deref_mut(), after_attention) {
                 trace.push(LayerTrace {
@@ -204,7 +236,7 @@ impl Model {
     /// The mixture of experts of a block: route every position, then run each chosen expert once
     /// over all positions that chose it. Each position sums its experts in ascending id order,
     /// as transformers does, so the result does not depend on the block size.
-    fn moe(&self, layer: &LayerWeights, x: &[f32]) -> (Vec<f32>, Vec<Routing>) {
+    fn moe(&self, l: usize, layer: &LayerWeights, x: &[f32]) -> Result<(Vec<f32>, Vec<Routing>)> {
         let cfg = &self.config;
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         let n = x.len() / h;
@@ -215,8 +247,13 @@ impl Model {
             .map(|l| route(l, cfg.experts_per_token))
             .collect();
 
+        // The union of the block's choices, each expert fetched once (RAM or disk).
+        let chosen: Vec<usize> = (0..cfg.num_experts)
+            .filter(|e| routings.iter().any(|r| r.experts.contains(e)))
+            .collect();
+        let fetched = self.experts.fetch(l, &chosen)?;
         let mut out = vec![0f32; n * h];
-        for e in 0..cfg.num_experts {
+        for (&e, expert) in chosen.iter().zip(&fetched) {
             let users: Vec<(usize, f32)> = routings
                 .iter()
                 .enumerate()
@@ -235,12 +272,12 @@ impl Model {
                 .collect();
             let mut gate_up = vec![0f32; m * 2 * i];
             let gate_up_bias = &layer.gate_up_bias[e * 2 * i..(e + 1) * 2 * i];
-            expert_matmul(&layer.gate_up, e, &xs, Some(gate_up_bias), &mut gate_up);
+            expert_matmul(&expert.gate_up, 0, &xs, Some(gate_up_bias), &mut gate_up);
             let mut activated = vec![0f32; m * i];
             clamped_swiglu(&gate_up, cfg.swiglu_alpha, cfg.swiglu_limit, &mut activated);
             let mut down = vec![0f32; m * h];
             let down_bias = &layer.down_bias[e * h..(e + 1) * h];
-            expert_matmul(&layer.down, e, &activated, Some(down_bias), &mut down);
+            expert_matmul(&expert.down, 0, &activated, Some(down_bias), &mut down);
             for (u, &(t, w)) in users.iter().enumerate() {
                 for (o, d) in out[t * h..(t + 1) * h]
                     .iter_mut()
@@ -250,7 +287,7 @@ impl Model {
                 }
             }
         }
-        (out, routings)
+        Ok((out, routings))
     }
 }
 

@@ -1,0 +1,507 @@
+//! The expert store: each (layer, expert) is one unit, read from the checkpoint's shards with
+//! positioned reads by a pool of IO threads, and kept in a byte-budgeted RAM LRU.
+//!
+//! The CPU tier asks for the experts a layer's routing chose; hits come from RAM, misses from
+//! disk. Where an expert comes from never changes the math: the bytes are the checkpoint's own.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use crate::error::{Error, Result};
+use crate::weights::{
+    Checkpoint, DenseExperts, ExpertMatrices, FloatFormat, ModelWeights, Mxfp4Experts, TensorBytes,
+    TensorEntry,
+};
+
+/// One (layer, expert).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ExpertKey {
+    pub layer: usize,
+    pub expert: usize,
+}
+
+/// A byte range of a shard file.
+#[derive(Debug, Clone, Copy)]
+struct Part {
+    shard: usize,
+    offset: u64,
+    len: usize,
+}
+
+/// Where expert 0 of one projection lives; expert e is `e * len` bytes further.
+#[derive(Debug, Clone, Copy)]
+enum Projection {
+    Mxfp4 {
+        blocks: Part,
+        scales: Part,
+        rows: usize,
+        cols: usize,
+    },
+    Dense {
+        weights: Part,
+        inputs: usize,
+        outputs: usize,
+        format: FloatFormat,
+    },
+}
+
+impl Projection {
+    fn parts(&self) -> Vec<Part> {
+        match *self {
+            Projection::Mxfp4 { blocks, scales, .. } => vec![blocks, scales],
+            Projection::Dense { weights, .. } => vec![weights],
+        }
+    }
+
+    /// Builds the one-expert matrices over `buffer[start..]`, returning the end.
+    fn view(&self, buffer: &Arc<[u8]>, start: usize) -> (ExpertMatrices, usize) {
+        match *self {
+            Projection::Mxfp4 {
+                blocks,
+                scales,
+                rows,
+                cols,
+            } => {
+                let scales_start = start + blocks.len;
+                let end = scales_start + scales.len;
+                let m = Mxfp4Experts {
+                    experts: 1,
+                    rows,
+                    cols,
+                    blocks: TensorBytes::shared(buffer.clone(), start..scales_start),
+                    scales: TensorBytes::shared(buffer.clone(), scales_start..end),
+                };
+                (ExpertMatrices::Mxfp4(m), end)
+            }
+            Projection::Dense {
+                weights,
+                inputs,
+                outputs,
+                format,
+            } => {
+                let end = start + weights.len;
+                let d = DenseExperts {
+                    experts: 1,
+                    inputs,
+                    outputs,
+                    format,
+                    data: TensorBytes::shared(buffer.clone(), start..end),
+                };
+                (ExpertMatrices::Dense(d), end)
+            }
+        }
+    }
+}
+
+/// One expert's weights, read into memory (biases stay with the layer, as f32).
+#[derive(Debug)]
+pub struct ExpertData {
+    pub gate_up: ExpertMatrices,
+    pub down: ExpertMatrices,
+    pub bytes: usize,
+}
+
+/// Counters of the store, for `--stats`.
+#[derive(Debug, Default)]
+pub struct ExpertCounters {
+    pub requests: AtomicU64,
+    pub ram_hits: AtomicU64,
+    pub disk_reads: AtomicU64,
+    pub disk_bytes: AtomicU64,
+    pub evictions: AtomicU64,
+    /// Microseconds spent waiting for IO threads.
+    pub io_wait_us: AtomicU64,
+}
+
+/// A copy of the counters at one moment.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct ExpertStats {
+    pub requests: u64,
+    pub ram_hits: u64,
+    pub disk_reads: u64,
+    pub disk_bytes: u64,
+    pub evictions: u64,
+    pub io_wait_ms: f64,
+}
+
+impl ExpertStats {
+    /// The counts from `earlier` to `self`.
+    pub fn since(&self, earlier: &ExpertStats) -> ExpertStats {
+        ExpertStats {
+            requests: self.requests - earlier.requests,
+            ram_hits: self.ram_hits - earlier.ram_hits,
+            disk_reads: self.disk_reads - earlier.disk_reads,
+            disk_bytes: self.disk_bytes - earlier.disk_bytes,
+            evictions: self.evictions - earlier.evictions,
+            io_wait_ms: self.io_wait_ms - earlier.io_wait_ms,
+        }
+    }
+}
+
+/// How much RAM the expert cache may hold.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RamBudget {
+    /// What the system has available, less the dense weights and a reserve for KV and the OS.
+    Auto,
+    Bytes(u64),
+    /// A share of the model's expert bytes (25% = a quarter of the experts fit).
+    Percent(f64),
+}
+
+impl std::str::FromStr for RamBudget {
+    type Err = String;
+
+    /// `auto`, a byte count with an optional K/M/G/T suffix (powers of 1024), or `N%`.
+    fn from_str(text: &str) -> std::result::Result<RamBudget, String> {
+        let t = text.trim();
+        if t.eq_ignore_ascii_case("auto") {
+            return Ok(RamBudget::Auto);
+        }
+        if let Some(p) = t.strip_suffix('%') {
+            return match p.trim().parse::<f64>() {
+                Ok(v) if (0.0..=100.0).contains(&v) => Ok(RamBudget::Percent(v)),
+                _ => Err(format!(
+                    "{text:?}: a percentage must be between 0% and 100%"
+                )),
+            };
+        }
+        let (digits, unit) = match t
+            .char_indices()
+            .find(|(_, c)| !c.is_ascii_digit() && *c != '.')
+        {
+            Some((i, _)) => t.split_at(i),
+            None => (t, ""),
+        };
+        let scale: f64 = match unit
+            .trim()
+            .to_ascii_uppercase()
+            .trim_end_matches("IB")
+            .trim_end_matches('B')
+        {
+            "" => 1.0,
+            "K" => 1024.0,
+            "M" => 1024f64.powi(2),
+            "G" => 1024f64.powi(3),
+            "T" => 1024f64.powi(4),
+            _ => {
+                return Err(format!(
+                    "{text:?}: expected bytes (e.g. 4G, 512M, 1000000), N% or auto"
+                ));
+            }
+        };
+        match digits.parse::<f64>() {
+            Ok(v) if v >= 0.0 && v.is_finite() => Ok(RamBudget::Bytes((v * scale) as u64)),
+            _ => Err(format!(
+                "{text:?}: expected bytes (e.g. 4G, 512M, 1000000), N% or auto"
+            )),
+        }
+    }
+}
+
+/// Bytes the system could still give, from /proc/meminfo where there is one.
+pub fn available_memory_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+struct Shared {
+    files: Vec<(PathBuf, File)>,
+    layers: Vec<(Projection, Projection)>,
+}
+
+impl Shared {
+    fn read(&self, key: ExpertKey) -> Result<ExpertData> {
+        let (gate_up, down) = &self.layers[key.layer];
+        let parts: Vec<Part> = gate_up.parts().into_iter().chain(down.parts()).collect();
+        let total: usize = parts.iter().map(|p| p.len).sum();
+        let mut buffer = vec![0u8; total];
+        let mut at = 0;
+        for part in parts {
+            let (path, file) = &self.files[part.shard];
+            let offset = part.offset + (key.expert * part.len) as u64;
+            read_exact_at(file, &mut buffer[at..at + part.len], offset)
+                .map_err(|e| Error::io(path, e))?;
+            at += part.len;
+        }
+        let buffer: Arc<[u8]> = buffer.into();
+        let (gate_up, end) = gate_up.view(&buffer, 0);
+        let (down, _) = down.view(&buffer, end);
+        Ok(ExpertData {
+            gate_up,
+            down,
+            bytes: total,
+        })
+    }
+}
+
+#[cfg(unix)]
+fn read_exact_at(file: &File, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+    std::os::unix::fs::FileExt::read_exact_at(file, buf, offset)
+}
+
+#[cfg(windows)]
+fn read_exact_at(file: &File, mut buf: &mut [u8], mut offset: u64) -> std::io::Result<()> {
+    use std::os::windows::fs::FileExt;
+    while !buf.is_empty() {
+        match file.seek_read(buf, offset)? {
+            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            n => {
+                buf = &mut buf[n..];
+                offset += n as u64;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn io_stopped() -> Error {
+    Error::io("expert IO threads", std::io::Error::other("stopped"))
+}
+
+struct Lru {
+    entries: HashMap<ExpertKey, (Arc<ExpertData>, u64)>,
+    bytes: u64,
+    clock: u64,
+}
+
+type Reply = flume::Sender<Result<Arc<ExpertData>>>;
+
+/// The experts of a model: disk -> RAM LRU, read by IO threads.
+pub struct ExpertStore {
+    jobs: flume::Sender<(ExpertKey, Reply)>,
+    cache: Mutex<Lru>,
+    budget: u64,
+    expert_bytes: u64,
+    counters: ExpertCounters,
+}
+
+impl ExpertStore {
+    /// Maps where every expert lives and starts `io_threads` readers. `weights` must come from
+    /// `ck` (it was validated against the config).
+    pub fn open(
+        ck: &Checkpoint,
+        weights: &ModelWeights,
+        budget: RamBudget,
+        io_threads: usize,
+    ) -> Result<ExpertStore> {
+        let files = ck
+            .shard_paths()
+            .map(|p| {
+                File::open(p)
+                    .map(|f| (p.to_path_buf(), f))
+                    .map_err(|e| Error::io(p, e))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let entry = |name: String| -> Result<&TensorEntry> {
+            ck.get(&name).ok_or_else(|| Error::MissingTensor {
+                name,
+                dir: ck.dir().to_path_buf(),
+            })
+        };
+        let part = |e: &TensorEntry, experts: usize| Part {
+            shard: e.shard,
+            offset: e.range.start as u64,
+            len: e.range.len() / experts,
+        };
+        let mut layers = Vec::with_capacity(weights.layers.len());
+        for (l, w) in weights.layers.iter().enumerate() {
+            let projection = |name: &str, m: &ExpertMatrices| -> Result<Projection> {
+                let prefix = format!("model.layers.{l}.mlp.experts.{name}");
+                Ok(match m {
+                    ExpertMatrices::Mxfp4(x) => Projection::Mxfp4 {
+                        blocks: part(entry(format!("{prefix}_blocks"))?, x.experts),
+                        scales: part(entry(format!("{prefix}_scales"))?, x.experts),
+                        rows: x.rows,
+                        cols: x.cols,
+                    },
+                    ExpertMatrices::Dense(d) => Projection::Dense {
+                        weights: part(entry(prefix)?, d.experts),
+                        inputs: d.inputs,
+                        outputs: d.outputs,
+                        format: d.format,
+                    },
+                    ExpertMatrices::Int4(_) => {
+                        return Err(Error::Unsupported(
+                            "INT4 experts come from converted stores".into(),
+                        ));
+                    }
+                })
+            };
+            layers.push((
+                projection("gate_up_proj", &w.gate_up)?,
+                projection("down_proj", &w.down)?,
+            ));
+        }
+        let expert_bytes = layers.first().map_or(0, |(g, d)| {
+            g.parts()
+                .iter()
+                .chain(&d.parts())
+                .map(|p| p.len as u64)
+                .sum()
+        });
+        let total_expert_bytes = expert_bytes
+            * (weights.layers.len() * weights.layers.first().map_or(0, |l| l.gate_up.experts()))
+                as u64;
+        let budget = match budget {
+            RamBudget::Bytes(b) => b,
+            RamBudget::Percent(p) => (total_expert_bytes as f64 * p / 100.0) as u64,
+            RamBudget::Auto => {
+                // Leave room for the dense weights, the KV cache and the OS.
+                let reserve = (weights.bytes() as u64
+                    - total_expert_bytes.min(weights.bytes() as u64))
+                    + (2 << 30);
+                available_memory_bytes()
+                    .map_or(total_expert_bytes, |a| a.saturating_sub(reserve))
+                    .min(total_expert_bytes)
+            }
+        };
+        let shared = Arc::new(Shared { files, layers });
+        let (jobs, queue) = flume::unbounded::<(ExpertKey, Reply)>();
+        for n in 0..io_threads.max(1) {
+            let shared = shared.clone();
+            let queue = queue.clone();
+            std::thread::Builder::new()
+                .name(format!("picchio-io-{n}"))
+                .spawn(move || {
+                    // Ends when the store (the only sender) is dropped.
+                    for (key, reply) in queue.iter() {
+                        let _ = reply.send(shared.read(key).map(Arc::new));
+                    }
+                })
+                .map_err(|e| Error::io("IO thread", e))?;
+        }
+        log::debug!("expert RAM budget: {budget} bytes of {total_expert_bytes}");
+        Ok(ExpertStore {
+            jobs,
+            cache: Mutex::new(Lru {
+                entries: HashMap::new(),
+                bytes: 0,
+                clock: 0,
+            }),
+            budget,
+            expert_bytes,
+            counters: ExpertCounters::default(),
+        })
+    }
+
+    /// Bytes of one expert (gate_up and down weights with their scales).
+    pub fn expert_bytes(&self) -> u64 {
+        self.expert_bytes
+    }
+
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+
+    pub fn stats(&self) -> ExpertStats {
+        let c = &self.counters;
+        ExpertStats {
+            requests: c.requests.load(Ordering::Relaxed),
+            ram_hits: c.ram_hits.load(Ordering::Relaxed),
+            disk_reads: c.disk_reads.load(Ordering::Relaxed),
+            disk_bytes: c.disk_bytes.load(Ordering::Relaxed),
+            evictions: c.evictions.load(Ordering::Relaxed),
+            io_wait_ms: c.io_wait_us.load(Ordering::Relaxed) as f64 / 1000.0,
+        }
+    }
+
+    /// The experts `experts` of `layer`, in that order: RAM hits at once, misses read by the IO
+    /// threads in parallel. The returned handles stay valid whatever the cache evicts later.
+    pub fn fetch(&self, layer: usize, experts: &[usize]) -> Result<Vec<Arc<ExpertData>>> {
+        let c = &self.counters;
+        c.requests
+            .fetch_add(experts.len() as u64, Ordering::Relaxed);
+        let mut found: Vec<Option<Arc<ExpertData>>> = Vec::with_capacity(experts.len());
+        let mut pending = Vec::new();
+        {
+            let mut lru = self.cache.lock().unwrap();
+            for &expert in experts {
+                let key = ExpertKey { layer, expert };
+                lru.clock += 1;
+                let now = lru.clock;
+                match lru.entries.get_mut(&key) {
+                    Some((data, used)) => {
+                        *used = now;
+                        c.ram_hits.fetch_add(1, Ordering::Relaxed);
+                        found.push(Some(data.clone()));
+                    }
+                    None => {
+                        let (reply, answer) = flume::bounded(1);
+                        self.jobs.send((key, reply)).map_err(|_| io_stopped())?;
+                        pending.push((found.len(), key, answer));
+                        found.push(None);
+                    }
+                }
+            }
+        }
+        let started = Instant::now();
+        for (slot, key, answer) in pending {
+            let data = answer.recv().map_err(|_| io_stopped())??;
+            c.disk_reads.fetch_add(1, Ordering::Relaxed);
+            c.disk_bytes.fetch_add(data.bytes as u64, Ordering::Relaxed);
+            self.insert(key, &data);
+            found[slot] = Some(data);
+        }
+        c.io_wait_us
+            .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+        Ok(found
+            .into_iter()
+            .map(|d| d.expect("every slot filled"))
+            .collect())
+    }
+
+    /// Caches `data` within the budget, evicting the least recently used experts.
+    fn insert(&self, key: ExpertKey, data: &Arc<ExpertData>) {
+        let bytes = data.bytes as u64;
+        if bytes > self.budget {
+            return;
+        }
+        let mut lru = self.cache.lock().unwrap();
+        while lru.bytes + bytes > self.budget {
+            let Some((&victim, _)) = lru.entries.iter().min_by_key(|(_, (_, used))| *used) else {
+                break;
+            };
+            if let Some((old, _)) = lru.entries.remove(&victim) {
+                lru.bytes -= old.bytes as u64;
+                self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        lru.clock += 1;
+        let now = lru.clock;
+        if lru.entries.insert(key, (data.clone(), now)).is_none() {
+            lru.bytes += bytes;
+        }
+    }
+
+    /// Bytes held by the RAM cache now.
+    pub fn cached_bytes(&self) -> u64 {
+        self.cache.lock().unwrap().bytes
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budgets_parse() {
+        assert_eq!("auto".parse::<RamBudget>(), Ok(RamBudget::Auto));
+        assert_eq!("0".parse::<RamBudget>(), Ok(RamBudget::Bytes(0)));
+        assert_eq!("4G".parse::<RamBudget>(), Ok(RamBudget::Bytes(4 << 30)));
+        assert_eq!(
+            "512MiB".parse::<RamBudget>(),
+            Ok(RamBudget::Bytes(512 << 20))
+        );
+        assert_eq!("1.5k".parse::<RamBudget>(), Ok(RamBudget::Bytes(1536)));
+        assert_eq!("25%".parse::<RamBudget>(), Ok(RamBudget::Percent(25.0)));
+        for bad in ["-1", "12X", "150%", "G", ""] {
+            assert!(bad.parse::<RamBudget>().is_err(), "{bad}");
+        }
+    }
+}

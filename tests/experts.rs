@@ -1,0 +1,70 @@
+//! The expert store never changes the math: every RAM budget gives transformers' tokens, and the
+//! counters add up.
+
+mod common;
+
+use common::*;
+use picchio::Model;
+use picchio::experts::RamBudget;
+use picchio::model::ModelOptions;
+use picchio::model::generate::generate;
+
+fn load(dir: &std::path::Path, ram_budget: RamBudget) -> Model {
+    Model::load_with(
+        dir,
+        &ModelOptions {
+            ram_budget,
+            io_threads: 3,
+        },
+    )
+    .unwrap()
+}
+
+#[test]
+fn every_ram_budget_gives_transformers_tokens() {
+    for dir in fixture_dirs() {
+        let reference = reference(&dir);
+        let expert_bytes = load(&dir, RamBudget::Bytes(0)).experts.expert_bytes();
+        for budget in [
+            RamBudget::Bytes(0),                // stream every expert from disk
+            RamBudget::Bytes(expert_bytes + 1), // one expert: evictions at every layer
+            RamBudget::Percent(25.0),
+            RamBudget::Auto,
+        ] {
+            let model = load(&dir, budget);
+            let out = generate(&model, &reference.prompt_ids, &greedy_options(32)).unwrap();
+            assert_eq!(
+                out.generated_ids,
+                reference.generated_ids,
+                "{} with {budget:?}",
+                dir.display()
+            );
+
+            let s = model.experts.stats();
+            assert_eq!(s.requests, s.ram_hits + s.disk_reads, "{budget:?}: {s:?}");
+            assert_eq!(
+                s.disk_bytes,
+                s.disk_reads * expert_bytes,
+                "{budget:?}: {s:?}"
+            );
+            assert!(model.experts.cached_bytes() <= model.experts.budget());
+            match budget {
+                RamBudget::Bytes(0) => assert_eq!((s.ram_hits, s.evictions), (0, 0), "{s:?}"),
+                RamBudget::Bytes(_) => assert!(s.evictions > 0, "{s:?}"),
+                _ => {}
+            }
+        }
+    }
+}
+
+#[test]
+fn a_cached_expert_is_read_once() {
+    let dir = fixtures_dir().join("tiny-long");
+    let reference = reference(&dir);
+    let model = load(&dir, RamBudget::Percent(100.0));
+    generate(&model, &reference.prompt_ids, &greedy_options(32)).unwrap();
+    let s = model.experts.stats();
+    // Every (layer, expert) at most once from disk: 4 layers x 6 experts.
+    assert!(s.disk_reads <= 24, "{s:?}");
+    assert!(s.ram_hits > 0 && s.evictions == 0, "{s:?}");
+}
