@@ -8,6 +8,7 @@
 //! - [`model`]: the forward passes (CPU and GPU tiers), KV cache, sampler and generation loop.
 //! - [`synth`]: random checkpoints in the real layout, for benchmarks.
 
+pub mod bench;
 pub mod config;
 pub mod cpu;
 pub mod error;

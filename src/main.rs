@@ -131,6 +131,32 @@ enum Command {
         #[arg(long, default_value_t = picchio::synth::DEFAULT_SHARD_BYTES)]
         shard_bytes: u64,
     },
+    /// Measure prefill and decode speed, hit rates and bytes moved for each RAM budget.
+    Bench {
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long, value_enum, default_value_t = Backend::Auto)]
+        backend: Backend,
+        /// Expert cache budgets to sweep, comma-separated (bytes, N% or auto).
+        #[arg(long, value_delimiter = ',', default_value = "auto")]
+        ram_budgets: Vec<picchio::experts::RamBudget>,
+        #[arg(long, default_value_t = 64)]
+        prompt_tokens: usize,
+        #[arg(long, default_value_t = 32)]
+        gen_tokens: usize,
+        /// Seed of the random prompt.
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Print one JSON object {"runs": [...]} instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Also write the runs as CSV here.
+        #[arg(long)]
+        csv: Option<PathBuf>,
+        /// Also write an SVG plot of decode tokens/s and hit rate against the budget here.
+        #[arg(long)]
+        plot: Option<PathBuf>,
+    },
     /// List the GPU adapters wgpu finds (best first), with backend, type, driver, limits and features.
     Devices {
         /// Print one JSON object instead of text.
@@ -264,6 +290,27 @@ fn run(cli: Cli) -> Result<()> {
         Command::Ab { prompt, json } => ab(&prompt, json),
         Command::Inspect { model, json } => inspect(&model, json),
         Command::Devices { json } => devices(json),
+        Command::Bench {
+            model,
+            backend,
+            ram_budgets,
+            prompt_tokens,
+            gen_tokens,
+            seed,
+            json,
+            csv,
+            plot,
+        } => {
+            let options = picchio::bench::BenchOptions {
+                model,
+                backend: backend.into(),
+                ram_budgets,
+                prompt_tokens,
+                gen_tokens,
+                seed,
+            };
+            bench(&options, json, csv, plot)
+        }
         Command::Synth {
             shape,
             out,
@@ -485,6 +532,64 @@ fn synth(shape: ShapeArg, out: PathBuf, seed: u64, shard_bytes: u64) -> Result<(
         println!("{}\t{bytes}", path.display());
     }
     Ok(())
+}
+
+fn bench(
+    options: &picchio::bench::BenchOptions,
+    json: bool,
+    csv: Option<PathBuf>,
+    plot: Option<PathBuf>,
+) -> Result<()> {
+    use picchio::bench::{plot_svg, run_bench, to_csv};
+    let runs = run_bench(options, &mut |done, total| {
+        log::info!("bench: {done}/{total} configurations done")
+    })?;
+    if let Some(path) = &csv {
+        std::fs::write(path, to_csv(&runs))
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    }
+    if let Some(path) = &plot {
+        plot_svg(&runs, path)?;
+    }
+    if json {
+        println!("{}", json!({ "runs": runs }));
+        return Ok(());
+    }
+    println!(
+        "{:<8} {:>14} {:>10} {:>10} {:>9} {:>14} {:>8} {:>10}",
+        "backend",
+        "ram budget",
+        "prefill/s",
+        "decode/s",
+        "ram hits",
+        "disk B/token",
+        "io wait",
+        "peak RSS"
+    );
+    for r in &runs {
+        println!(
+            "{:<8} {:>14} {:>10.2} {:>10.2} {:>9} {:>14.0} {:>7.1}% {:>10}",
+            r.backend,
+            human_short(r.ram_budget_bytes),
+            r.prefill_tokens_per_s,
+            r.decode_tokens_per_s,
+            r.ram_hit_rate
+                .map_or("-".to_string(), |h| format!("{:.1}%", h * 100.0)),
+            r.disk_bytes_per_token,
+            r.io_wait_share * 100.0,
+            r.peak_rss_bytes.map_or("-".to_string(), human_short),
+        );
+    }
+    Ok(())
+}
+
+fn human_short(bytes: u64) -> String {
+    match bytes {
+        b if b >= 1_000_000_000 => format!("{:.2} GB", b as f64 / 1e9),
+        b if b >= 1_000_000 => format!("{:.1} MB", b as f64 / 1e6),
+        b if b >= 1_000 => format!("{:.1} kB", b as f64 / 1e3),
+        b => format!("{b} B"),
+    }
 }
 
 fn human(bytes: usize) -> String {

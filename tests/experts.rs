@@ -68,3 +68,33 @@ fn a_cached_expert_is_read_once() {
     assert!(s.disk_reads <= 24, "{s:?}");
     assert!(s.ram_hits > 0 && s.evictions == 0, "{s:?}");
 }
+
+#[test]
+fn bench_sweeps_budgets_and_writes_csv_and_plot() {
+    use picchio::bench::{BenchOptions, plot_svg, run_bench, to_csv};
+    use picchio::model::generate::BackendChoice;
+    let options = BenchOptions {
+        model: fixtures_dir().join("tiny-long"),
+        backend: BackendChoice::Cpu,
+        ram_budgets: vec![RamBudget::Bytes(0), RamBudget::Percent(100.0)],
+        prompt_tokens: 8,
+        gen_tokens: 6,
+        seed: 3,
+    };
+    let mut calls = 0;
+    let runs = run_bench(&options, &mut |_, _| calls += 1).unwrap();
+    assert_eq!((runs.len(), calls), (2, 2));
+    assert!(
+        runs.iter()
+            .all(|r| r.backend == "cpu" && r.decode_tokens_per_s > 0.0)
+    );
+    // Streaming reads every expert; a cache holding them all reads none while decoding.
+    assert!(runs[0].disk_bytes_per_token > 0.0 && runs[0].ram_hit_rate == Some(0.0));
+    assert_eq!(runs[1].disk_bytes_per_token, 0.0);
+    assert_eq!(runs[1].ram_hit_rate, Some(1.0));
+    assert_eq!(to_csv(&runs).lines().count(), 3);
+    let dir = tempfile::tempdir().unwrap();
+    let svg = dir.path().join("sweep.svg");
+    plot_svg(&runs, &svg).unwrap();
+    assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
+}
