@@ -125,6 +125,7 @@ pub fn run_bench(
             evictions: decode.evictions,
             peak_rss_bytes: peak_rss_bytes(),
         });
+        model.experts.save_usage();
         progress(done + 1, options.ram_budgets.len());
     }
     Ok(runs)

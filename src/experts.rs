@@ -266,8 +266,21 @@ fn io_stopped() -> Error {
 
 struct Lru {
     entries: HashMap<ExpertKey, (Arc<ExpertData>, u64)>,
+    /// Hot experts loaded at start-up: never evicted.
+    pinned: std::collections::HashSet<ExpertKey>,
     bytes: u64,
     clock: u64,
+}
+
+/// Name of the per-model usage file, beside the checkpoint.
+pub const USAGE_FILE: &str = ".picchio_usage";
+
+/// Requests per (layer, expert), accumulated over runs in `USAGE_FILE`.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+struct Usage {
+    layers: usize,
+    experts: usize,
+    counts: Vec<u64>,
 }
 
 type Reply = flume::Sender<Result<Arc<ExpertData>>>;
@@ -279,6 +292,10 @@ pub struct ExpertStore {
     budget: u64,
     expert_bytes: u64,
     counters: ExpertCounters,
+    /// Requests per (layer, expert) in this run.
+    usage: Vec<AtomicU64>,
+    experts_per_layer: usize,
+    usage_path: PathBuf,
 }
 
 impl ExpertStore {
@@ -377,17 +394,111 @@ impl ExpertStore {
                 .map_err(|e| Error::io("IO thread", e))?;
         }
         log::debug!("expert RAM budget: {budget} bytes of {total_expert_bytes}");
-        Ok(ExpertStore {
+        let experts_per_layer = weights.layers.first().map_or(0, |l| l.gate_up.experts());
+        let store = ExpertStore {
             jobs,
             cache: Mutex::new(Lru {
                 entries: HashMap::new(),
+                pinned: Default::default(),
                 bytes: 0,
                 clock: 0,
             }),
             budget,
             expert_bytes,
             counters: ExpertCounters::default(),
-        })
+            usage: (0..weights.layers.len() * experts_per_layer)
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+            experts_per_layer,
+            usage_path: ck.dir().join(USAGE_FILE),
+        };
+        store.pin_hot_experts()?;
+        Ok(store)
+    }
+
+    fn saved_usage(&self) -> Option<Usage> {
+        let text = std::fs::read_to_string(&self.usage_path).ok()?;
+        let usage: Usage = serde_json::from_str(&text).ok()?;
+        let fits =
+            usage.experts == self.experts_per_layer && usage.counts.len() == self.usage.len();
+        fits.then_some(usage)
+    }
+
+    /// Loads the most used experts of earlier runs (from `USAGE_FILE`) into up to half of the
+    /// budget and keeps them there; the other half stays a plain LRU.
+    fn pin_hot_experts(&self) -> Result<()> {
+        let Some(usage) = self.saved_usage() else {
+            return Ok(());
+        };
+        let mut order: Vec<usize> = (0..usage.counts.len())
+            .filter(|&i| usage.counts[i] > 0)
+            .collect();
+        order.sort_by_key(|&i| (std::cmp::Reverse(usage.counts[i]), i));
+        let room = (self.budget / 2 / self.expert_bytes.max(1)) as usize;
+        let mut by_layer: HashMap<usize, Vec<usize>> = HashMap::new();
+        for &i in order.iter().take(room) {
+            by_layer
+                .entry(i / self.experts_per_layer)
+                .or_default()
+                .push(i % self.experts_per_layer);
+        }
+        let mut pinned = 0;
+        for (layer, experts) in by_layer {
+            let fetched = self.fetch(layer, &experts)?;
+            let mut lru = self.cache.lock().unwrap();
+            for &expert in &experts {
+                let key = ExpertKey { layer, expert };
+                if lru.entries.contains_key(&key) {
+                    lru.pinned.insert(key);
+                    pinned += 1;
+                }
+            }
+            drop(fetched);
+        }
+        // Start-up reads are not the run's requests.
+        self.usage
+            .iter()
+            .for_each(|u| u.store(0, Ordering::Relaxed));
+        let c = &self.counters;
+        for counter in [
+            &c.requests,
+            &c.ram_hits,
+            &c.disk_reads,
+            &c.disk_bytes,
+            &c.evictions,
+            &c.io_wait_us,
+        ] {
+            counter.store(0, Ordering::Relaxed);
+        }
+        log::info!(
+            "pinned {pinned} hot experts from {}",
+            self.usage_path.display()
+        );
+        Ok(())
+    }
+
+    /// Adds this run's requests to the usage file beside the model (best effort: a read-only
+    /// model directory only costs the pinning of later runs).
+    pub fn save_usage(&self) {
+        let mut usage = self.saved_usage().unwrap_or(Usage {
+            layers: self.usage.len() / self.experts_per_layer.max(1),
+            experts: self.experts_per_layer,
+            counts: vec![0; self.usage.len()],
+        });
+        for (total, now) in usage.counts.iter_mut().zip(&self.usage) {
+            *total += now.load(Ordering::Relaxed);
+        }
+        let temporary = self.usage_path.with_extension("tmp");
+        let written = serde_json::to_string(&usage)
+            .map_err(std::io::Error::other)
+            .and_then(|text| std::fs::write(&temporary, text))
+            .and_then(|()| std::fs::rename(&temporary, &self.usage_path));
+        if let Err(e) = written {
+            log::warn!(
+                "could not save expert usage to {}: {e}",
+                self.usage_path.display()
+            );
+        }
     }
 
     /// Bytes of one expert (gate_up and down weights with their scales).
@@ -417,6 +528,9 @@ impl ExpertStore {
         let c = &self.counters;
         c.requests
             .fetch_add(experts.len() as u64, Ordering::Relaxed);
+        for &expert in experts {
+            self.usage[layer * self.experts_per_layer + expert].fetch_add(1, Ordering::Relaxed);
+        }
         let mut found: Vec<Option<Arc<ExpertData>>> = Vec::with_capacity(experts.len());
         let mut pending = Vec::new();
         {
@@ -464,7 +578,13 @@ impl ExpertStore {
         }
         let mut lru = self.cache.lock().unwrap();
         while lru.bytes + bytes > self.budget {
-            let Some((&victim, _)) = lru.entries.iter().min_by_key(|(_, (_, used))| *used) else {
+            let pinned = &lru.pinned;
+            let Some((&victim, _)) = lru
+                .entries
+                .iter()
+                .filter(|(key, _)| !pinned.contains(key))
+                .min_by_key(|(_, (_, used))| *used)
+            else {
                 break;
             };
             if let Some((old, _)) = lru.entries.remove(&victim) {
@@ -477,6 +597,11 @@ impl ExpertStore {
         if lru.entries.insert(key, (data.clone(), now)).is_none() {
             lru.bytes += bytes;
         }
+    }
+
+    /// Experts pinned at start-up.
+    pub fn pinned(&self) -> usize {
+        self.cache.lock().unwrap().pinned.len()
     }
 
     /// Bytes held by the RAM cache now.

@@ -222,6 +222,7 @@ fn run(cli: Cli) -> Result<()> {
                     marks.push(s.gpu_counters())
                 })?;
             let ran_on = session.backend();
+            loaded.experts.save_usage();
             if let Some(rate) = out.decode_tokens_per_s() {
                 log::info!(
                     "{ran_on}: prefill {:.1} ms, decode {rate:.2} tokens/s",

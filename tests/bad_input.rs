@@ -46,15 +46,6 @@ fn rejects(dir: &Path, ids: &str, extra: &[&str], needles: &[&str]) {
     }
 }
 
-fn copy_fixture(name: &str) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(fixtures_dir().join(name)).unwrap() {
-        let path = entry.unwrap().path();
-        std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
-    }
-    dir
-}
-
 #[test]
 fn missing_model_directory() {
     rejects(
@@ -199,11 +190,12 @@ fn malformed_ids_are_rejected_by_the_parser() {
 
 #[test]
 fn good_input_still_works_through_the_cli() {
-    let dir = fixtures_dir().join("tiny-long");
-    let reference = reference(&dir);
+    // A copy: generate saves expert usage beside the model.
+    let copy = copy_fixture("tiny-long");
+    let reference = reference(&fixtures_dir().join("tiny-long"));
     let ids: Vec<String> = reference.prompt_ids.iter().map(u32::to_string).collect();
     let ids = ids.join(",");
-    let d = dir.to_str().unwrap();
+    let d = copy.path().to_str().unwrap();
     let plain = [
         "generate",
         "--model",
@@ -245,6 +237,10 @@ fn good_input_still_works_through_the_cli() {
     let (ok, stdout, stderr) = picchio(&["inspect", "--model", d]);
     assert!(ok, "{stderr}");
     assert!(stdout.contains("model.layers.3.mlp.experts.down_proj_blocks"));
+    assert!(
+        copy.path().join(picchio::experts::USAGE_FILE).is_file(),
+        "generate saved usage"
+    );
     assert!(stdout.contains("experts (mxfp4"));
 }
 
@@ -279,8 +275,8 @@ fn bad_input_is_rejected_the_same_way_with_the_gpu_backend() {
 fn gpu_backend_without_a_usable_adapter_is_a_clear_error() {
     // Software adapters are refused unless allowed: with the permission removed, a machine whose
     // only adapter is lavapipe (CI) has no usable GPU, and one with a real GPU runs on it.
-    let dir = fixtures_dir().join("tiny-single");
-    let d = dir.to_str().unwrap();
+    let copy = copy_fixture("tiny-single");
+    let d = copy.path().to_str().unwrap();
     let without_software = |backend: &str| {
         Command::new(env!("CARGO_BIN_EXE_picchio"))
             .args([

@@ -73,8 +73,10 @@ fn a_cached_expert_is_read_once() {
 fn bench_sweeps_budgets_and_writes_csv_and_plot() {
     use picchio::bench::{BenchOptions, plot_svg, run_bench, to_csv};
     use picchio::model::generate::BackendChoice;
+    // A copy: bench saves expert usage beside the model.
+    let dir = copy_fixture("tiny-long");
     let options = BenchOptions {
-        model: fixtures_dir().join("tiny-long"),
+        model: dir.path().to_path_buf(),
         backend: BackendChoice::Cpu,
         ram_budgets: vec![RamBudget::Bytes(0), RamBudget::Percent(100.0)],
         prompt_tokens: 8,
@@ -97,4 +99,32 @@ fn bench_sweeps_budgets_and_writes_csv_and_plot() {
     let svg = dir.path().join("sweep.svg");
     plot_svg(&runs, &svg).unwrap();
     assert!(std::fs::read_to_string(&svg).unwrap().contains("<svg"));
+}
+
+#[test]
+fn usage_is_saved_and_pins_hot_experts_next_time() {
+    let src = fixtures_dir().join("tiny-long");
+    let reference = reference(&src);
+    let dir = copy_fixture("tiny-long");
+    let first = load(dir.path(), RamBudget::Percent(50.0));
+    assert_eq!(first.experts.pinned(), 0);
+    generate(&first, &reference.prompt_ids, &greedy_options(32)).unwrap();
+    first.experts.save_usage();
+    assert!(dir.path().join(picchio::experts::USAGE_FILE).is_file());
+
+    let second = load(dir.path(), RamBudget::Percent(50.0));
+    // Up to half the budget: 50% of 24 experts is 12, half of that 6.
+    assert!(
+        (1..=6).contains(&second.experts.pinned()),
+        "{}",
+        second.experts.pinned()
+    );
+    assert_eq!(
+        second.experts.stats().requests,
+        0,
+        "start-up reads are not counted as the run's"
+    );
+    let out = generate(&second, &reference.prompt_ids, &greedy_options(32)).unwrap();
+    assert_eq!(out.generated_ids, reference.generated_ids);
+    assert!(second.experts.cached_bytes() <= second.experts.budget());
 }

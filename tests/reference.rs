@@ -223,11 +223,7 @@ fn generation_stops_at_eos_unless_ignored() {
     // Make a token that greedy decoding reaches at step 5 (and not before) the EOS id.
     let eos = reference.generated_ids[5];
     assert!(!reference.generated_ids[..5].contains(&eos));
-    let dir = tempfile::tempdir().unwrap();
-    for entry in std::fs::read_dir(&src).unwrap() {
-        let path = entry.unwrap().path();
-        std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
-    }
+    let dir = copy_fixture("tiny-long");
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     config["eos_token_id"] = serde_json::json!([9999, eos]);

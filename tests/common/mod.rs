@@ -236,3 +236,17 @@ pub fn greedy_options(max_new_tokens: usize) -> picchio::model::generate::Genera
         context: 4096,
     }
 }
+
+/// A private copy of a committed fixture (its checkpoint files only: no usage file or other
+/// state a run may have left beside it).
+pub fn copy_fixture(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for entry in std::fs::read_dir(fixtures_dir().join(name)).unwrap() {
+        let path = entry.unwrap().path();
+        let file_name = path.file_name().unwrap();
+        if !file_name.to_string_lossy().starts_with('.') {
+            std::fs::copy(&path, dir.path().join(file_name)).unwrap();
+        }
+    }
+    dir
+}
