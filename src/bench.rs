@@ -42,9 +42,10 @@ pub struct BenchRun {
     pub peak_rss_bytes: Option<u64>,
 }
 
-/// Resets the kernel's peak-RSS mark so each run reports its own peak (Linux).
-fn reset_peak_rss() {
-    let _ = std::fs::write("/proc/self/clear_refs", "5");
+/// Resets the kernel's peak-RSS mark so each run reports its own peak (Linux); false where it
+/// cannot, and the peak would then be the process's.
+fn reset_peak_rss() -> bool {
+    std::fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
 fn peak_rss_bytes() -> Option<u64> {
@@ -78,7 +79,7 @@ pub fn run_bench(
     }
     let mut runs = Vec::new();
     for (done, budget) in options.ram_budgets.iter().enumerate() {
-        reset_peak_rss();
+        let peak_is_this_runs = reset_peak_rss();
         let model = Model::load_with(
             &options.model,
             &ModelOptions {
@@ -111,7 +112,8 @@ pub fn run_bench(
             backend: session.backend().to_string(),
             ram_budget: format!("{budget:?}"),
             ram_budget_bytes: model.experts.budget(),
-            prefill_tokens_per_s: options.prompt_tokens as f64 / (out.prefill_ms / 1000.0),
+            prefill_tokens_per_s: options.prompt_tokens as f64
+                / (out.prefill_ms.max(1e-6) / 1000.0),
             decode_tokens_per_s: out.decode_tokens_per_s().unwrap_or(0.0),
             ram_hit_rate: (decode.requests > 0)
                 .then(|| decode.ram_hits as f64 / decode.requests as f64),
@@ -123,9 +125,8 @@ pub fn run_bench(
             },
             expert_requests: decode.requests,
             evictions: decode.evictions,
-            peak_rss_bytes: peak_rss_bytes(),
+            peak_rss_bytes: peak_is_this_runs.then(peak_rss_bytes).flatten(),
         });
-        model.experts.save_usage();
         progress(done + 1, options.ram_budgets.len());
     }
     Ok(runs)
@@ -192,13 +193,16 @@ pub fn plot_svg(runs: &[BenchRun], path: &Path) -> Result<()> {
         .y_desc("RAM hit rate")
         .draw()
         .map_err(|e| fail(&e))?;
+    let mut runs: Vec<&BenchRun> = runs.iter().collect();
+    runs.sort_by_key(|r| r.ram_budget_bytes);
     let speed: Vec<(f64, f64)> = runs
         .iter()
         .map(|r| (gib(r.ram_budget_bytes), r.decode_tokens_per_s))
         .collect();
+    // Runs without RAM traffic (the GPU tier) have no hit rate to draw.
     let hits: Vec<(f64, f64)> = runs
         .iter()
-        .map(|r| (gib(r.ram_budget_bytes), r.ram_hit_rate.unwrap_or(0.0)))
+        .filter_map(|r| Some((gib(r.ram_budget_bytes), r.ram_hit_rate?)))
         .collect();
     chart
         .draw_series(LineSeries::new(speed, &BLUE))

@@ -58,7 +58,7 @@ impl Projection {
     }
 
     /// Builds the one-expert matrices over `buffer[start..]`, returning the end.
-    fn view(&self, buffer: &Arc<[u8]>, start: usize) -> (ExpertMatrices, usize) {
+    fn view(&self, buffer: &Arc<Vec<u8>>, start: usize) -> (ExpertMatrices, usize) {
         match *self {
             Projection::Mxfp4 {
                 blocks,
@@ -176,17 +176,12 @@ impl std::str::FromStr for RamBudget {
             Some((i, _)) => t.split_at(i),
             None => (t, ""),
         };
-        let scale: f64 = match unit
-            .trim()
-            .to_ascii_uppercase()
-            .trim_end_matches("IB")
-            .trim_end_matches('B')
-        {
-            "" => 1.0,
-            "K" => 1024.0,
-            "M" => 1024f64.powi(2),
-            "G" => 1024f64.powi(3),
-            "T" => 1024f64.powi(4),
+        let scale: f64 = match unit.trim().to_ascii_uppercase().as_str() {
+            "" | "B" => 1.0,
+            "K" | "KB" | "KIB" => 1024.0,
+            "M" | "MB" | "MIB" => 1024f64.powi(2),
+            "G" | "GB" | "GIB" => 1024f64.powi(3),
+            "T" | "TB" | "TIB" => 1024f64.powi(4),
             _ => {
                 return Err(format!(
                     "{text:?}: expected bytes (e.g. 4G, 512M, 1000000), N% or auto"
@@ -202,12 +197,30 @@ impl std::str::FromStr for RamBudget {
     }
 }
 
-/// Bytes the system could still give, from /proc/meminfo where there is one.
+/// Bytes this process could still get: /proc/meminfo's MemAvailable, capped by the cgroup's
+/// limit where one is set (containers), where those files exist.
 pub fn available_memory_bytes() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
+    let system: u64 = line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024;
+    let number = |path: &str| {
+        std::fs::read_to_string(path)
+            .ok()?
+            .trim()
+            .parse::<u64>()
+            .ok()
+    };
+    let limit_and_use = [
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        (
+            "/sys/fs/cgroup/memory/memory.limit_in_bytes",
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes",
+        ),
+    ];
+    let cgroup = limit_and_use
+        .iter()
+        .find_map(|(max, current)| Some(number(max)?.saturating_sub(number(current)?)));
+    Some(cgroup.map_or(system, |c| c.min(system)))
 }
 
 struct Shared {
@@ -229,7 +242,7 @@ impl Shared {
                 .map_err(|e| Error::io(path, e))?;
             at += part.len;
         }
-        let buffer: Arc<[u8]> = buffer.into();
+        let buffer = Arc::new(buffer); // no copy: the views share it
         let (gate_up, end) = gate_up.view(&buffer, 0);
         let (down, _) = down.view(&buffer, end);
         Ok(ExpertData {
@@ -296,6 +309,10 @@ pub struct ExpertStore {
     usage: Vec<AtomicU64>,
     experts_per_layer: usize,
     usage_path: PathBuf,
+    /// Pin hot experts from, and save usage to, `USAGE_FILE`.
+    hot_experts: bool,
+    /// Pinning happens before the first fetch (never, for runs that fetch nothing: the GPU tier).
+    pinning_started: std::sync::atomic::AtomicBool,
 }
 
 impl ExpertStore {
@@ -306,6 +323,7 @@ impl ExpertStore {
         weights: &ModelWeights,
         budget: RamBudget,
         io_threads: usize,
+        hot_experts: bool,
     ) -> Result<ExpertStore> {
         let files = ck
             .shard_paths()
@@ -411,8 +429,9 @@ impl ExpertStore {
                 .collect(),
             experts_per_layer,
             usage_path: ck.dir().join(USAGE_FILE),
+            hot_experts,
+            pinning_started: std::sync::atomic::AtomicBool::new(!hot_experts),
         };
-        store.pin_hot_experts()?;
         Ok(store)
     }
 
@@ -444,7 +463,7 @@ impl ExpertStore {
         }
         let mut pinned = 0;
         for (layer, experts) in by_layer {
-            let fetched = self.fetch(layer, &experts)?;
+            let fetched = self.fetch_counted(layer, &experts)?;
             let mut lru = self.cache.lock().unwrap();
             for &expert in &experts {
                 let key = ExpertKey { layer, expert };
@@ -470,25 +489,34 @@ impl ExpertStore {
         ] {
             counter.store(0, Ordering::Relaxed);
         }
-        log::info!(
-            "pinned {pinned} hot experts from {}",
-            self.usage_path.display()
-        );
+        if pinned > 0 {
+            log::info!(
+                "pinned {pinned} hot experts from {}",
+                self.usage_path.display()
+            );
+        }
         Ok(())
     }
 
     /// Adds this run's requests to the usage file beside the model (best effort: a read-only
     /// model directory only costs the pinning of later runs).
     pub fn save_usage(&self) {
+        let requested = self.usage.iter().any(|u| u.load(Ordering::Relaxed) > 0);
+        if !self.hot_experts || !requested {
+            return;
+        }
         let mut usage = self.saved_usage().unwrap_or(Usage {
             layers: self.usage.len() / self.experts_per_layer.max(1),
             experts: self.experts_per_layer,
             counts: vec![0; self.usage.len()],
         });
         for (total, now) in usage.counts.iter_mut().zip(&self.usage) {
-            *total += now.load(Ordering::Relaxed);
+            *total = total.saturating_add(now.load(Ordering::Relaxed));
         }
-        let temporary = self.usage_path.with_extension("tmp");
+        // A private temporary name: concurrent runs each replace the file whole.
+        let temporary = self
+            .usage_path
+            .with_extension(format!("{}.tmp", std::process::id()));
         let written = serde_json::to_string(&usage)
             .map_err(std::io::Error::other)
             .and_then(|text| std::fs::write(&temporary, text))
@@ -525,9 +553,16 @@ impl ExpertStore {
     /// The experts `experts` of `layer`, in that order: RAM hits at once, misses read by the IO
     /// threads in parallel. The returned handles stay valid whatever the cache evicts later.
     pub fn fetch(&self, layer: usize, experts: &[usize]) -> Result<Vec<Arc<ExpertData>>> {
+        if !self.pinning_started.swap(true, Ordering::SeqCst)
+            && let Err(e) = self.pin_hot_experts()
+        {
+            log::warn!("could not pin hot experts: {e}");
+        }
+        self.fetch_counted(layer, experts)
+    }
+
+    fn fetch_counted(&self, layer: usize, experts: &[usize]) -> Result<Vec<Arc<ExpertData>>> {
         let c = &self.counters;
-        c.requests
-            .fetch_add(experts.len() as u64, Ordering::Relaxed);
         for &expert in experts {
             self.usage[layer * self.experts_per_layer + expert].fetch_add(1, Ordering::Relaxed);
         }
@@ -542,6 +577,7 @@ impl ExpertStore {
                 match lru.entries.get_mut(&key) {
                     Some((data, used)) => {
                         *used = now;
+                        c.requests.fetch_add(1, Ordering::Relaxed);
                         c.ram_hits.fetch_add(1, Ordering::Relaxed);
                         found.push(Some(data.clone()));
                     }
@@ -554,16 +590,17 @@ impl ExpertStore {
                 }
             }
         }
-        let started = Instant::now();
         for (slot, key, answer) in pending {
+            let started = Instant::now();
             let data = answer.recv().map_err(|_| io_stopped())??;
+            c.io_wait_us
+                .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+            c.requests.fetch_add(1, Ordering::Relaxed);
             c.disk_reads.fetch_add(1, Ordering::Relaxed);
             c.disk_bytes.fetch_add(data.bytes as u64, Ordering::Relaxed);
             self.insert(key, &data);
             found[slot] = Some(data);
         }
-        c.io_wait_us
-            .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
         Ok(found
             .into_iter()
             .map(|d| d.expect("every slot filled"))
@@ -577,6 +614,9 @@ impl ExpertStore {
             return;
         }
         let mut lru = self.cache.lock().unwrap();
+        if lru.entries.contains_key(&key) {
+            return; // another fetch read it meanwhile
+        }
         while lru.bytes + bytes > self.budget {
             let pinned = &lru.pinned;
             let Some((&victim, _)) = lru
@@ -585,7 +625,7 @@ impl ExpertStore {
                 .filter(|(key, _)| !pinned.contains(key))
                 .min_by_key(|(_, (_, used))| *used)
             else {
-                break;
+                return; // only pinned experts left: do not cache this one
             };
             if let Some((old, _)) = lru.entries.remove(&victim) {
                 lru.bytes -= old.bytes as u64;
@@ -594,9 +634,8 @@ impl ExpertStore {
         }
         lru.clock += 1;
         let now = lru.clock;
-        if lru.entries.insert(key, (data.clone(), now)).is_none() {
-            lru.bytes += bytes;
-        }
+        lru.entries.insert(key, (data.clone(), now));
+        lru.bytes += bytes;
     }
 
     /// Experts pinned at start-up.
@@ -625,7 +664,7 @@ mod tests {
         );
         assert_eq!("1.5k".parse::<RamBudget>(), Ok(RamBudget::Bytes(1536)));
         assert_eq!("25%".parse::<RamBudget>(), Ok(RamBudget::Percent(25.0)));
-        for bad in ["-1", "12X", "150%", "G", ""] {
+        for bad in ["-1", "12X", "150%", "G", "", "4GBBB", "4ib", "1e9"] {
             assert!(bad.parse::<RamBudget>().is_err(), "{bad}");
         }
     }

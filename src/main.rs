@@ -80,6 +80,7 @@ impl PromptArgs {
     fn load(&self) -> Result<Model> {
         let options = picchio::model::ModelOptions {
             ram_budget: self.ram_budget,
+            hot_experts: true,
             ..Default::default()
         };
         // Load errors name the file and tensor already.

@@ -262,6 +262,16 @@ pub fn synthesize(options: &SynthOptions, progress: &(dyn Fn(u64) + Sync)) -> Re
     let text = options.shape.config_text();
     let cfg = Config::from_json(text, Path::new("config.json"))?;
     let out = &options.out;
+    // Old shards, index or usage file beside new ones would mix two checkpoints.
+    if out
+        .read_dir()
+        .is_ok_and(|mut entries| entries.next().is_some())
+    {
+        return Err(Error::InvalidArgument(format!(
+            "{} is not empty: synth writes a new checkpoint into a new or empty directory",
+            out.display()
+        )));
+    }
     std::fs::create_dir_all(out).map_err(io(out))?;
     let config_path = out.join("config.json");
     std::fs::write(&config_path, text).map_err(io(&config_path))?;

@@ -50,7 +50,7 @@ pub struct TensorBytes {
 #[derive(Clone)]
 enum Backing {
     Mapped(Arc<Mmap>),
-    Owned(Arc<[u8]>),
+    Owned(Arc<Vec<u8>>),
 }
 
 impl TensorBytes {
@@ -62,7 +62,7 @@ impl TensorBytes {
     }
 
     /// A range of a shared in-memory buffer (one read holding several tensors).
-    pub fn shared(buffer: Arc<[u8]>, range: Range<usize>) -> TensorBytes {
+    pub fn shared(buffer: Arc<Vec<u8>>, range: Range<usize>) -> TensorBytes {
         TensorBytes {
             backing: Backing::Owned(buffer),
             range,
@@ -73,7 +73,7 @@ impl TensorBytes {
     pub fn from_vec(bytes: Vec<u8>) -> TensorBytes {
         TensorBytes {
             range: 0..bytes.len(),
-            backing: Backing::Owned(bytes.into()),
+            backing: Backing::Owned(Arc::new(bytes)),
         }
     }
 }

@@ -237,11 +237,25 @@ fn good_input_still_works_through_the_cli() {
     let (ok, stdout, stderr) = picchio(&["inspect", "--model", d]);
     assert!(ok, "{stderr}");
     assert!(stdout.contains("model.layers.3.mlp.experts.down_proj_blocks"));
+    assert!(stdout.contains("experts (mxfp4"));
+
+    // The CPU tier reads experts and saves their usage beside the model.
+    let (ok, _, stderr) = picchio(&[
+        "generate",
+        "--model",
+        d,
+        "--ids",
+        "1,2",
+        "--max-new-tokens",
+        "2",
+        "--backend",
+        "cpu",
+    ]);
+    assert!(ok, "{stderr}");
     assert!(
         copy.path().join(picchio::experts::USAGE_FILE).is_file(),
         "generate saved usage"
     );
-    assert!(stdout.contains("experts (mxfp4"));
 }
 
 #[test]

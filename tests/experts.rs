@@ -15,6 +15,7 @@ fn load(dir: &std::path::Path, ram_budget: RamBudget) -> Model {
         &ModelOptions {
             ram_budget,
             io_threads: 3,
+            ..Default::default()
         },
     )
     .unwrap()
@@ -103,28 +104,46 @@ fn bench_sweeps_budgets_and_writes_csv_and_plot() {
 
 #[test]
 fn usage_is_saved_and_pins_hot_experts_next_time() {
-    let src = fixtures_dir().join("tiny-long");
-    let reference = reference(&src);
+    let reference = reference(&fixtures_dir().join("tiny-long"));
     let dir = copy_fixture("tiny-long");
-    let first = load(dir.path(), RamBudget::Percent(50.0));
-    assert_eq!(first.experts.pinned(), 0);
+    let hot = |budget| {
+        let options = ModelOptions {
+            ram_budget: budget,
+            io_threads: 3,
+            hot_experts: true,
+        };
+        Model::load_with(dir.path(), &options).unwrap()
+    };
+    let first = hot(RamBudget::Percent(50.0));
     generate(&first, &reference.prompt_ids, &greedy_options(32)).unwrap();
+    assert_eq!(first.experts.pinned(), 0, "nothing to pin from yet");
     first.experts.save_usage();
     assert!(dir.path().join(picchio::experts::USAGE_FILE).is_file());
 
-    let second = load(dir.path(), RamBudget::Percent(50.0));
+    let second = hot(RamBudget::Percent(50.0));
+    assert_eq!(
+        second.experts.pinned(),
+        0,
+        "pinning waits for the first fetch"
+    );
+    let out = generate(&second, &reference.prompt_ids, &greedy_options(32)).unwrap();
+    assert_eq!(out.generated_ids, reference.generated_ids);
     // Up to half the budget: 50% of 24 experts is 12, half of that 6.
     assert!(
         (1..=6).contains(&second.experts.pinned()),
         "{}",
         second.experts.pinned()
     );
+    // Start-up reads are not the run's: the same run makes the same requests.
     assert_eq!(
         second.experts.stats().requests,
-        0,
-        "start-up reads are not counted as the run's"
+        first.experts.stats().requests
     );
-    let out = generate(&second, &reference.prompt_ids, &greedy_options(32)).unwrap();
-    assert_eq!(out.generated_ids, reference.generated_ids);
+    assert!(second.experts.stats().ram_hits > first.experts.stats().ram_hits);
     assert!(second.experts.cached_bytes() <= second.experts.budget());
+
+    // Without hot experts nothing is pinned or saved.
+    let plain = load(dir.path(), RamBudget::Percent(50.0));
+    generate(&plain, &reference.prompt_ids, &greedy_options(4)).unwrap();
+    assert_eq!(plain.experts.pinned(), 0);
 }

@@ -192,7 +192,7 @@ impl GpuContext {
         if self.adapter.device_type != "Cpu" {
             return Ok(());
         }
-        if let Some(available) = available_memory_bytes()
+        if let Some(available) = crate::experts::available_memory_bytes()
             && bytes > available / 2
         {
             return Err(Error::Gpu(format!(
@@ -240,12 +240,4 @@ impl GpuContext {
             }
         }
     }
-}
-
-/// `MemAvailable` of /proc/meminfo, where there is one.
-fn available_memory_bytes() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024)
 }

@@ -49,6 +49,9 @@ pub struct ModelOptions {
     pub ram_budget: RamBudget,
     /// Threads reading experts from disk.
     pub io_threads: usize,
+    /// Pin the experts earlier runs used most (from `.picchio_usage` beside the model), and let
+    /// `save_usage` add this run's counts there. Off by default: runs stay independent.
+    pub hot_experts: bool,
 }
 
 impl Default for ModelOptions {
@@ -56,6 +59,7 @@ impl Default for ModelOptions {
         ModelOptions {
             ram_budget: RamBudget::Auto,
             io_threads: 4,
+            hot_experts: false,
         }
     }
 }
@@ -76,6 +80,7 @@ impl Model {
             &weights,
             options.ram_budget,
             options.io_threads,
+            options.hot_experts,
         )?;
         let rope = RopeTable::new(&config);
         Ok(Model {
