@@ -298,6 +298,14 @@ struct Usage {
 
 type Reply = flume::Sender<Result<Arc<ExpertData>>>;
 
+/// An expert asked for: in RAM already, or being read by an IO thread.
+pub struct Pending(PendingState);
+
+enum PendingState {
+    Ready(Arc<ExpertData>),
+    Reading(ExpertKey, flume::Receiver<Result<Arc<ExpertData>>>),
+}
+
 /// The experts of a model: disk -> RAM LRU, read by IO threads.
 pub struct ExpertStore {
     jobs: flume::Sender<(ExpertKey, Reply)>,
@@ -553,58 +561,76 @@ impl ExpertStore {
     /// The experts `experts` of `layer`, in that order: RAM hits at once, misses read by the IO
     /// threads in parallel. The returned handles stay valid whatever the cache evicts later.
     pub fn fetch(&self, layer: usize, experts: &[usize]) -> Result<Vec<Arc<ExpertData>>> {
+        self.request(layer, experts)?
+            .into_iter()
+            .map(|p| self.wait(p))
+            .collect()
+    }
+
+    /// Starts fetching `experts` of `layer`: hits are ready at once, misses are queued for the IO
+    /// threads, all before the first one is awaited, so the caller can compute with each expert
+    /// (`wait`, in order) while the later ones are still being read.
+    pub fn request(&self, layer: usize, experts: &[usize]) -> Result<Vec<Pending>> {
         if !self.pinning_started.swap(true, Ordering::SeqCst)
             && let Err(e) = self.pin_hot_experts()
         {
             log::warn!("could not pin hot experts: {e}");
         }
-        self.fetch_counted(layer, experts)
+        self.request_counted(layer, experts)
     }
 
     fn fetch_counted(&self, layer: usize, experts: &[usize]) -> Result<Vec<Arc<ExpertData>>> {
+        self.request_counted(layer, experts)?
+            .into_iter()
+            .map(|p| self.wait(p))
+            .collect()
+    }
+
+    fn request_counted(&self, layer: usize, experts: &[usize]) -> Result<Vec<Pending>> {
         let c = &self.counters;
         for &expert in experts {
             self.usage[layer * self.experts_per_layer + expert].fetch_add(1, Ordering::Relaxed);
         }
-        let mut found: Vec<Option<Arc<ExpertData>>> = Vec::with_capacity(experts.len());
-        let mut pending = Vec::new();
-        {
-            let mut lru = self.cache.lock().unwrap();
-            for &expert in experts {
-                let key = ExpertKey { layer, expert };
-                lru.clock += 1;
-                let now = lru.clock;
-                match lru.entries.get_mut(&key) {
-                    Some((data, used)) => {
-                        *used = now;
-                        c.requests.fetch_add(1, Ordering::Relaxed);
-                        c.ram_hits.fetch_add(1, Ordering::Relaxed);
-                        found.push(Some(data.clone()));
-                    }
-                    None => {
-                        let (reply, answer) = flume::bounded(1);
-                        self.jobs.send((key, reply)).map_err(|_| io_stopped())?;
-                        pending.push((found.len(), key, answer));
-                        found.push(None);
-                    }
+        let mut requests = Vec::with_capacity(experts.len());
+        let mut lru = self.cache.lock().unwrap();
+        for &expert in experts {
+            let key = ExpertKey { layer, expert };
+            lru.clock += 1;
+            let now = lru.clock;
+            match lru.entries.get_mut(&key) {
+                Some((data, used)) => {
+                    *used = now;
+                    c.requests.fetch_add(1, Ordering::Relaxed);
+                    c.ram_hits.fetch_add(1, Ordering::Relaxed);
+                    requests.push(Pending(PendingState::Ready(data.clone())));
+                }
+                None => {
+                    let (reply, answer) = flume::bounded(1);
+                    self.jobs.send((key, reply)).map_err(|_| io_stopped())?;
+                    requests.push(Pending(PendingState::Reading(key, answer)));
                 }
             }
         }
-        for (slot, key, answer) in pending {
-            let started = Instant::now();
-            let data = answer.recv().map_err(|_| io_stopped())??;
-            c.io_wait_us
-                .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
-            c.requests.fetch_add(1, Ordering::Relaxed);
-            c.disk_reads.fetch_add(1, Ordering::Relaxed);
-            c.disk_bytes.fetch_add(data.bytes as u64, Ordering::Relaxed);
-            self.insert(key, &data);
-            found[slot] = Some(data);
+        Ok(requests)
+    }
+
+    /// The expert of a request, waiting for its read if it is still under way.
+    pub fn wait(&self, pending: Pending) -> Result<Arc<ExpertData>> {
+        match pending.0 {
+            PendingState::Ready(data) => Ok(data),
+            PendingState::Reading(key, answer) => {
+                let c = &self.counters;
+                let started = Instant::now();
+                let data = answer.recv().map_err(|_| io_stopped())??;
+                c.io_wait_us
+                    .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+                c.requests.fetch_add(1, Ordering::Relaxed);
+                c.disk_reads.fetch_add(1, Ordering::Relaxed);
+                c.disk_bytes.fetch_add(data.bytes as u64, Ordering::Relaxed);
+                self.insert(key, &data);
+                Ok(data)
+            }
         }
-        Ok(found
-            .into_iter()
-            .map(|d| d.expect("every slot filled"))
-            .collect())
     }
 
     /// Caches `data` within the budget, evicting the least recently used experts.

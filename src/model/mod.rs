@@ -256,9 +256,12 @@ impl Model {
         let chosen: Vec<usize> = (0..cfg.num_experts)
             .filter(|e| routings.iter().any(|r| r.experts.contains(e)))
             .collect();
-        let fetched = self.experts.fetch(l, &chosen)?;
+        // All reads start now; each expert is computed as soon as its bytes are in, while the
+        // IO threads read the next ones.
+        let requests = self.experts.request(l, &chosen)?;
         let mut out = vec![0f32; n * h];
-        for (&e, expert) in chosen.iter().zip(&fetched) {
+        for (&e, request) in chosen.iter().zip(requests) {
+            let expert = self.experts.wait(request)?;
             let users: Vec<(usize, f32)> = routings
                 .iter()
                 .enumerate()
