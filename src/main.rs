@@ -269,6 +269,7 @@ fn run(cli: Cli) -> Result<()> {
                         _ => serde_json::Value::Null,
                     };
                     let experts = loaded.experts.stats();
+                    let (attention_ms, experts_ms, head_ms) = loaded.timings.millis();
                     object["stats"] = json!({
                         "gpu": gpu,
                         "experts": {
@@ -279,7 +280,17 @@ fn run(cli: Cli) -> Result<()> {
                             "evictions": experts.evictions,
                             "ram_budget_bytes": loaded.experts.budget(),
                         },
-                        "time_ms": {"io_wait": experts.io_wait_ms},
+                        "time_ms": {
+                            "attention": attention_ms,
+                            "experts": experts_ms,
+                            "io_wait": experts.io_wait_ms,
+                            "head": head_ms,
+                        },
+                        // The tier that ran each layer (one tier per run today; the per-layer
+                        // planner comes with the VRAM tier).
+                        "placement": (0..loaded.config.num_layers)
+                            .map(|layer| json!({"layer": layer, "attention": ran_on, "experts": ran_on, "residual": ran_on}))
+                            .collect::<Vec<_>>(),
                     });
                 }
                 println!("{object}");

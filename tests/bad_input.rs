@@ -256,6 +256,45 @@ fn good_input_still_works_through_the_cli() {
         copy.path().join(picchio::experts::USAGE_FILE).is_file(),
         "generate saved usage"
     );
+
+    // --stats: the expert store's counters add up, every part has a time, every layer a place.
+    let (ok, stdout, stderr) = picchio(&[
+        "generate",
+        "--model",
+        d,
+        "--ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "3",
+        "--backend",
+        "cpu",
+        "--json",
+        "--stats",
+        "--ram-budget",
+        "0",
+    ]);
+    assert!(ok, "{stderr}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let experts = &v["stats"]["experts"];
+    let n = |key: &str| {
+        experts[key]
+            .as_u64()
+            .unwrap_or_else(|| panic!("stats.experts.{key}: {v}"))
+    };
+    assert_eq!(n("requests"), n("ram_hits") + n("disk_reads"));
+    assert_eq!(
+        (n("ram_hits"), n("evictions"), n("ram_budget_bytes")),
+        (0, 0, 0)
+    );
+    assert!(n("disk_bytes") > 0);
+    for key in ["attention", "experts", "io_wait", "head"] {
+        assert!(
+            v["stats"]["time_ms"][key].as_f64().is_some(),
+            "time_ms.{key}: {v}"
+        );
+    }
+    assert_eq!(v["stats"]["placement"].as_array().unwrap().len(), 4);
+    assert!(v["stats"]["gpu"].is_null());
 }
 
 #[test]

@@ -40,6 +40,38 @@ pub struct Model {
     pub weights: ModelWeights,
     pub experts: ExpertStore,
     rope: RopeTable,
+    /// Where the CPU tier's time went, for `--stats`.
+    pub timings: CpuTimings,
+}
+
+/// Microseconds the CPU forward pass spent per part (expert time includes waiting for reads;
+/// the expert store reports that wait on its own).
+#[derive(Debug, Default)]
+pub struct CpuTimings {
+    pub attention_us: std::sync::atomic::AtomicU64,
+    pub experts_us: std::sync::atomic::AtomicU64,
+    pub head_us: std::sync::atomic::AtomicU64,
+}
+
+impl CpuTimings {
+    fn add(counter: &std::sync::atomic::AtomicU64, since: std::time::Instant) {
+        counter.fetch_add(
+            since.elapsed().as_micros() as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
+    }
+
+    /// (attention, experts, head) in milliseconds.
+    pub fn millis(&self) -> (f64, f64, f64) {
+        let ms = |c: &std::sync::atomic::AtomicU64| {
+            c.load(std::sync::atomic::Ordering::Relaxed) as f64 / 1000.0
+        };
+        (
+            ms(&self.attention_us),
+            ms(&self.experts_us),
+            ms(&self.head_us),
+        )
+    }
 }
 
 /// How a model is loaded.
@@ -89,6 +121,7 @@ impl Model {
             weights,
             experts,
             rope,
+            timings: CpuTimings::default(),
         })
     }
 
@@ -138,7 +171,9 @@ impl Model {
         let mut normed = vec![0f32; n * h];
         for (l, layer) in self.weights.layers.iter().enumerate() {
             rms_norm(&hidden, &layer.input_norm, cfg.rms_norm_eps, &mut normed);
+            let started = std::time::Instant::now();
             let attention = self.attention(l, layer, cache, start, &normed);
+            CpuTimings::add(&self.timings.attention_us, started);
             add_into(&mut hidden, &attention);
             let after_attention = trace.is_some().then(|| hidden.clone());
 
@@ -148,7 +183,9 @@ impl Model {
                 cfg.rms_norm_eps,
                 &mut normed,
             );
+            let started = std::time::Instant::now();
             let (moe, routings) = self.moe(l, layer, &normed)?;
+            CpuTimings::add(&self.timings.experts_us, started);
             add_into(&mut hidden, &moe);
             if let (Some(trace), Some(after_attention)) = (trace.as_deref_mut(), after_attention) {
                 trace.push(LayerTrace {
@@ -160,6 +197,7 @@ impl Model {
         }
         cache.advance(n);
 
+        let started = std::time::Instant::now();
         let last = &hidden[(n - 1) * h..];
         let mut final_hidden = vec![0f32; h];
         rms_norm(
@@ -170,6 +208,7 @@ impl Model {
         );
         let mut logits = vec![0f32; cfg.vocab_size];
         dense_matmul(&self.weights.lm_head, &final_hidden, None, &mut logits);
+        CpuTimings::add(&self.timings.head_us, started);
         Ok(logits)
     }
 
