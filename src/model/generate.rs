@@ -56,24 +56,35 @@ impl Generation {
 
 /// Checks a prompt against the model and the context before any work is done.
 pub fn validate_prompt(config: &Config, prompt: &[u32], context: usize) -> Result<()> {
-    if prompt.is_empty() {
+    validate_tokens(config, 0, prompt, context)
+}
+
+/// Checks `tokens` to be placed at positions `start..`: at least one, every id in the
+/// vocabulary, and all of them within `context` positions.
+pub fn validate_tokens(
+    config: &Config,
+    start: usize,
+    tokens: &[u32],
+    context: usize,
+) -> Result<()> {
+    if tokens.is_empty() {
         return Err(Error::EmptyPrompt);
     }
     let vocab_size = config.vocab_size;
-    if let Some((position, &id)) = prompt
+    if let Some((i, &id)) = tokens
         .iter()
         .enumerate()
         .find(|(_, id)| **id as usize >= vocab_size)
     {
         return Err(Error::TokenOutOfRange {
             id,
-            position,
+            position: start + i,
             vocab_size,
         });
     }
-    if prompt.len() > context {
+    if start + tokens.len() > context {
         return Err(Error::PromptTooLong {
-            prompt_len: prompt.len(),
+            prompt_len: start + tokens.len(),
             context,
         });
     }

@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use super::generate::Step;
+use super::generate::{Step, validate_tokens};
 use crate::config::Config;
 use crate::cpu::rope::RopeTable;
 use crate::error::{Error, Result};
@@ -585,27 +585,7 @@ impl GpuModel {
     /// Runs `tokens` after what the cache holds; returns the next-token step from the last
     /// position (the `top_logits` largest logits, read back from the device).
     pub fn feed(&mut self, tokens: &[u32], top_logits: usize) -> Result<Step> {
-        if tokens.is_empty() {
-            return Err(Error::EmptyPrompt);
-        }
-        if self.len + tokens.len() > self.options.context {
-            return Err(Error::PromptTooLong {
-                prompt_len: self.len + tokens.len(),
-                context: self.options.context,
-            });
-        }
-        let vocab_size = self.config.vocab_size;
-        if let Some((i, &id)) = tokens
-            .iter()
-            .enumerate()
-            .find(|(_, id)| **id as usize >= vocab_size)
-        {
-            return Err(Error::TokenOutOfRange {
-                id,
-                position: self.len + i,
-                vocab_size,
-            });
-        }
+        validate_tokens(&self.config, self.len, tokens, self.options.context)?;
         let blocks: Vec<&[u32]> = tokens.chunks(self.options.max_block).collect();
         let last = blocks.len() - 1;
         for (b, block) in blocks.into_iter().enumerate() {

@@ -16,7 +16,7 @@ use crate::cpu::matmul::{dense_matmul, expert_matmul};
 use crate::cpu::moe::{Routing, clamped_swiglu, route};
 use crate::cpu::norm::rms_norm;
 use crate::cpu::rope::RopeTable;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::experts::{ExpertStore, RamBudget};
 use crate::weights::{Checkpoint, LayerWeights, ModelWeights};
 pub use kv_cache::KvCache;
@@ -141,25 +141,8 @@ impl Model {
     ) -> Result<Vec<f32>> {
         let cfg = &self.config;
         let (h, n) = (cfg.hidden_size, tokens.len());
-        if n == 0 {
-            return Err(Error::EmptyPrompt);
-        }
         let start = cache.len();
-        if start + n > cache.context() {
-            return Err(Error::PromptTooLong {
-                prompt_len: start + n,
-                context: cache.context(),
-            });
-        }
-        for (i, &id) in tokens.iter().enumerate() {
-            if id as usize >= cfg.vocab_size {
-                return Err(Error::TokenOutOfRange {
-                    id,
-                    position: start + i,
-                    vocab_size: cfg.vocab_size,
-                });
-            }
-        }
+        generate::validate_tokens(cfg, start, tokens, cache.context())?;
 
         let embeddings = &self.weights.embeddings;
         let mut hidden: Vec<f32> = tokens
