@@ -11,6 +11,7 @@ use crate::experts::{ExpertStats, RamBudget};
 use crate::model::generate::{
     BackendChoice, GenerateOptions, Session, generate_observed, open_session,
 };
+use crate::model::gpu_tier::GpuTierOptions;
 use crate::model::{Model, ModelOptions};
 
 #[derive(Debug, Clone)]
@@ -89,7 +90,11 @@ pub fn run_bench(
         )?;
         let ids = prompt(options.prompt_tokens, model.config.vocab_size, options.seed);
         let context = options.prompt_tokens + options.gen_tokens;
-        let mut session = open_session(&model, options.backend, context, 0)?;
+        let gpu_options = GpuTierOptions {
+            context,
+            ..Default::default()
+        };
+        let mut session = open_session(&model, options.backend, &gpu_options)?;
         let generate_options = GenerateOptions {
             max_new_tokens: options.gen_tokens,
             top_logits: 0,

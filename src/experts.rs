@@ -115,17 +115,31 @@ pub struct ExpertCounters {
     pub evictions: AtomicU64,
     /// Microseconds spent waiting for IO threads.
     pub io_wait_us: AtomicU64,
+    /// Requests the GPU tier's VRAM cache answered (counted in `requests` too).
+    pub vram_hits: AtomicU64,
+    /// Experts the VRAM cache dropped to make room.
+    pub vram_evictions: AtomicU64,
+    /// Bytes copied into the VRAM cache, and the microseconds that took.
+    pub upload_bytes: AtomicU64,
+    pub upload_us: AtomicU64,
 }
 
 /// A copy of the counters at one moment.
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct ExpertStats {
+    /// Every (layer, expert) a layer's routing chose, counted once per block:
+    /// `vram_hits + ram_hits + disk_reads`.
     pub requests: u64,
+    pub vram_hits: u64,
     pub ram_hits: u64,
     pub disk_reads: u64,
     pub disk_bytes: u64,
+    /// RAM cache evictions.
     pub evictions: u64,
+    pub vram_evictions: u64,
     pub io_wait_ms: f64,
+    pub upload_bytes: u64,
+    pub upload_ms: f64,
 }
 
 impl ExpertStats {
@@ -133,14 +147,22 @@ impl ExpertStats {
     pub fn since(&self, earlier: &ExpertStats) -> ExpertStats {
         ExpertStats {
             requests: self.requests - earlier.requests,
+            vram_hits: self.vram_hits - earlier.vram_hits,
             ram_hits: self.ram_hits - earlier.ram_hits,
             disk_reads: self.disk_reads - earlier.disk_reads,
             disk_bytes: self.disk_bytes - earlier.disk_bytes,
             evictions: self.evictions - earlier.evictions,
+            vram_evictions: self.vram_evictions - earlier.vram_evictions,
             io_wait_ms: self.io_wait_ms - earlier.io_wait_ms,
+            upload_bytes: self.upload_bytes - earlier.upload_bytes,
+            upload_ms: self.upload_ms - earlier.upload_ms,
         }
     }
 }
+
+/// The VRAM expert cache's budget: the same forms; `Auto` lets the adapter decide (every
+/// expert, or as many as its memory takes), and a percentage is a share of the expert bytes.
+pub type VramBudget = RamBudget;
 
 /// How much RAM the expert cache may hold.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -550,12 +572,37 @@ impl ExpertStore {
         let c = &self.counters;
         ExpertStats {
             requests: c.requests.load(Ordering::Relaxed),
+            vram_hits: c.vram_hits.load(Ordering::Relaxed),
             ram_hits: c.ram_hits.load(Ordering::Relaxed),
             disk_reads: c.disk_reads.load(Ordering::Relaxed),
             disk_bytes: c.disk_bytes.load(Ordering::Relaxed),
             evictions: c.evictions.load(Ordering::Relaxed),
+            vram_evictions: c.vram_evictions.load(Ordering::Relaxed),
             io_wait_ms: c.io_wait_us.load(Ordering::Relaxed) as f64 / 1000.0,
+            upload_bytes: c.upload_bytes.load(Ordering::Relaxed),
+            upload_ms: c.upload_us.load(Ordering::Relaxed) as f64 / 1000.0,
         }
+    }
+
+    /// Counts `count` experts of `layer` that the GPU tier found in its VRAM cache: requests
+    /// that never reach RAM or disk (they still count as usage for hot-expert pinning).
+    pub fn count_vram_hits(&self, layer: usize, experts: &[usize]) {
+        for &expert in experts {
+            self.usage[layer * self.experts_per_layer + expert].fetch_add(1, Ordering::Relaxed);
+        }
+        let n = experts.len() as u64;
+        self.counters.requests.fetch_add(n, Ordering::Relaxed);
+        self.counters.vram_hits.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Counts `bytes` copied into the VRAM cache since `started`, `evicted` (0 or 1) experts
+    /// dropped from it for them.
+    pub fn count_upload(&self, bytes: u64, evicted: u64, started: Instant) {
+        let c = &self.counters;
+        c.vram_evictions.fetch_add(evicted, Ordering::Relaxed);
+        c.upload_bytes.fetch_add(bytes, Ordering::Relaxed);
+        c.upload_us
+            .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
     }
 
     /// The experts `experts` of `layer`, in that order: RAM hits at once, misses read by the IO

@@ -11,6 +11,7 @@ use picchio::Model;
 use picchio::model::generate::{
     BackendChoice, GenerateOptions, Session, generate_observed, open_session, validate_prompt,
 };
+use picchio::model::gpu_tier::GpuTierOptions;
 use picchio::weights::{Checkpoint, tensor_format, tensor_role};
 
 #[derive(Parser)]
@@ -74,9 +75,30 @@ struct PromptArgs {
     /// expert from disk.
     #[arg(long, default_value = "auto", value_name = "BYTES|N%|auto")]
     ram_budget: picchio::experts::RamBudget,
+    /// GPU memory for the GPU tier's expert cache: bytes, N% of the model's expert bytes, or
+    /// auto (every expert if the adapter takes them, else as many as it does). 0 keeps no expert
+    /// in VRAM: the GPU runs attention and the CPU tier every expert.
+    #[arg(long, default_value = "auto", value_name = "BYTES|N%|auto")]
+    vram_budget: picchio::experts::VramBudget,
+    /// What the GPU tier does with an expert its VRAM cache lacks: auto (upload in prompt
+    /// blocks, compute on the CPU in decode), upload (always, evicting the least recently used),
+    /// cpu (compute on the CPU unless a slot is free).
+    #[arg(long, default_value = "auto", value_name = "auto|upload|cpu")]
+    miss_policy: picchio::model::gpu_tier::MissPolicy,
 }
 
 impl PromptArgs {
+    /// The GPU tier's options for a `context`-position run reporting `top_logits` logits.
+    fn gpu_options(&self, context: usize, top_logits: usize) -> GpuTierOptions {
+        GpuTierOptions {
+            context,
+            top_logits,
+            vram_budget: self.vram_budget,
+            miss_policy: self.miss_policy,
+            ..Default::default()
+        }
+    }
+
     fn load(&self) -> Result<Model> {
         let options = picchio::model::ModelOptions {
             ram_budget: self.ram_budget,
@@ -208,7 +230,8 @@ fn run(cli: Cli) -> Result<()> {
                 loaded.config.experts_per_token
             );
             validate_prompt(&loaded.config, ids, context)?;
-            let mut session = open_session(&loaded, backend.into(), context, top_logits)?;
+            let gpu_options = prompt.gpu_options(context, top_logits);
+            let mut session = open_session(&loaded, backend.into(), &gpu_options)?;
             let adapter = session.gpu().map(|g| g.ctx.adapter.clone());
             let options = GenerateOptions {
                 max_new_tokens,
@@ -270,27 +293,42 @@ fn run(cli: Cli) -> Result<()> {
                     };
                     let experts = loaded.experts.stats();
                     let (attention_ms, experts_ms, head_ms) = loaded.timings.millis();
+                    // Every expert resident in VRAM: routing never leaves the GPU, so requests
+                    // are not counted there (null).
+                    let vram_cached = session.gpu().map(|g| {
+                        g.cached_experts()
+                            .unwrap_or(loaded.config.num_layers * loaded.config.num_experts)
+                    });
+                    // The GPU tier's per-layer choices, or one tier for every layer.
+                    let placement = match session.placement() {
+                        Some(layers) => serde_json::to_value(layers)?,
+                        None => json!((0..loaded.config.num_layers)
+                            .map(|layer| json!({"layer": layer, "attention": ran_on, "experts": ran_on, "residual": ran_on}))
+                            .collect::<Vec<_>>()),
+                    };
                     object["stats"] = json!({
                         "gpu": gpu,
                         "experts": {
                             "requests": experts.requests,
+                            "vram_hits": experts.vram_hits,
                             "ram_hits": experts.ram_hits,
                             "disk_reads": experts.disk_reads,
                             "disk_bytes": experts.disk_bytes,
+                            "upload_bytes": experts.upload_bytes,
                             "evictions": experts.evictions,
+                            "vram_evictions": experts.vram_evictions,
                             "ram_budget_bytes": loaded.experts.budget(),
+                            "vram_cached_experts": vram_cached,
+                            "expert_record_bytes": loaded.experts.expert_bytes(),
                         },
                         "time_ms": {
                             "attention": attention_ms,
                             "experts": experts_ms,
                             "io_wait": experts.io_wait_ms,
+                            "upload": experts.upload_ms,
                             "head": head_ms,
                         },
-                        // The tier that ran each layer (one tier per run today; the per-layer
-                        // planner comes with the VRAM tier).
-                        "placement": (0..loaded.config.num_layers)
-                            .map(|layer| json!({"layer": layer, "attention": ran_on, "experts": ran_on, "residual": ran_on}))
-                            .collect::<Vec<_>>(),
+                        "placement": placement,
                     });
                 }
                 println!("{object}");
@@ -345,8 +383,12 @@ fn resolve_context(model: &Model, context: Option<usize>) -> Result<usize> {
 fn ab(prompt: &PromptArgs, json: bool) -> Result<()> {
     let model = prompt.load()?;
     let context = resolve_context(&model, prompt.context)?;
-    let report =
-        picchio::model::ab::compare_tiers(&model, &prompt.ids, prompt.max_new_tokens, context)?;
+    let report = picchio::model::ab::compare_tiers(
+        &model,
+        &prompt.ids,
+        prompt.max_new_tokens,
+        &prompt.gpu_options(context, 0),
+    )?;
     if json {
         println!("{}", serde_json::to_string(&report)?);
     } else {

@@ -513,10 +513,17 @@ impl ExpertMatrices {
 
     /// Bytes of all experts of this projection.
     pub fn bytes(&self) -> usize {
+        let (weights, scales) = self.parts();
+        weights.len() + scales.map_or(0, <[u8]>::len)
+    }
+
+    /// The weight bytes and the scale bytes (absent for float experts) of all experts, each
+    /// expert's share contiguous after the previous one's.
+    pub fn parts(&self) -> (&[u8], Option<&[u8]>) {
         match self {
-            ExpertMatrices::Mxfp4(m) => m.blocks.bytes().len() + m.scales.bytes().len(),
-            ExpertMatrices::Int4(m) => m.qweight.bytes().len() + m.scales.bytes().len(),
-            ExpertMatrices::Dense(d) => d.data.bytes().len(),
+            ExpertMatrices::Mxfp4(m) => (m.blocks.bytes(), Some(m.scales.bytes())),
+            ExpertMatrices::Int4(m) => (m.qweight.bytes(), Some(m.scales.bytes())),
+            ExpertMatrices::Dense(d) => (d.data.bytes(), None),
         }
     }
 }

@@ -13,14 +13,15 @@ use picchio::model::gpu_tier::{GpuModel, GpuTierOptions};
 /// GPU logits against float32 transformers (f32 accumulation, other summation orders).
 const LOGIT_ATOL: f32 = 1e-3;
 
-fn gpu_model(model: &Model, max_block: usize) -> Option<GpuModel> {
+fn gpu_model(model: &Model, max_block: usize) -> Option<GpuModel<'_>> {
     let ctx = gpu(None)?;
     let options = GpuTierOptions {
         context: 4096,
         max_block,
         top_logits: 10,
+        ..Default::default()
     };
-    Some(GpuModel::new(ctx, &model.config, &model.weights, options).unwrap())
+    Some(GpuModel::new(ctx, model, options).unwrap())
 }
 
 #[test]
@@ -84,7 +85,13 @@ fn ab_reports_full_agreement() {
         }
         let model = Model::load(&dir).unwrap();
         let reference = reference(&dir);
-        let report = compare_tiers(&model, &reference.prompt_ids, 32, 4096).unwrap();
+        let report = compare_tiers(
+            &model,
+            &reference.prompt_ids,
+            32,
+            &GpuTierOptions::default(),
+        )
+        .unwrap();
         assert!(report.agree(), "{}: {report:?}", dir.display());
         assert_eq!(report.tokens_agreeing, 32);
         assert_eq!(report.gpu_ids, reference.generated_ids);
@@ -221,8 +228,9 @@ fn a_gpu_that_cannot_go_on_hands_over_to_the_cpu_tier() {
         context: 4096,
         max_block: 8,
         top_logits: 2,
+        ..Default::default()
     };
-    let gpu = GpuModel::new(ctx, &model.config, &model.weights, options).unwrap();
+    let gpu = GpuModel::new(ctx, &model, options).unwrap();
     let mut session = FallbackSession::new(&model, gpu, 4096);
     let mut opts = greedy_options(288);
     opts.top_logits = 0;

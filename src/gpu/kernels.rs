@@ -184,52 +184,152 @@ impl GpuMatrix {
     }
 }
 
-/// Quantized experts of one projection on the GPU, split by experts to fit binding limits.
+/// The experts of one projection on the GPU, split by experts to fit binding limits: the whole
+/// set as the checkpoint stores it, or a pool of slots that the VRAM expert cache fills.
 pub struct GpuExperts {
     pub experts: usize,
     pub rows: usize,
     pub cols: usize,
     /// Variant defines of the kernel that reads this format.
     defines: [(&'static str, String); 3],
-    /// (first expert, experts, weights, scales: absent for unquantized experts)
+    /// Weight and scale bytes of one expert (scales: 0 for float experts).
+    expert_bytes: usize,
+    scale_bytes: usize,
+    /// (first expert, experts, weights, scales: absent for float experts)
     chunks: Vec<(usize, usize, wgpu::Buffer, Option<wgpu::Buffer>)>,
 }
 
-impl GpuExperts {
-    fn upload_packed(
-        ctx: &GpuContext,
-        name: &str,
-        format: &'static str,
-        (experts, rows, cols): (usize, usize, usize),
-        packed: &[u8],
-        scales: &[u8],
-    ) -> Result<GpuExperts> {
-        let expert_bytes = rows * cols / 2;
-        let scale_bytes = scales.len() / experts;
-        let chunks = split(
-            experts,
-            expert_bytes.max(scale_bytes),
-            ctx.max_binding_bytes,
-            name,
-        )?
-        .into_iter()
-        .map(|(first, n)| {
-            let w = &packed[first * expert_bytes..(first + n) * expert_bytes];
-            let s = &scales[first * scale_bytes..(first + n) * scale_bytes];
-            (first, n, ctx.upload(name, w), Some(ctx.upload(name, s)))
-        })
-        .collect();
-        Ok(GpuExperts {
-            experts,
-            rows,
-            cols,
+/// Where one projection's experts sit in memory, per expert.
+struct ExpertLayout {
+    defines: [(&'static str, String); 3],
+    rows: usize,
+    cols: usize,
+    expert_bytes: usize,
+    scale_bytes: usize,
+}
+
+impl ExpertLayout {
+    fn of(m: &ExpertMatrices) -> ExpertLayout {
+        let experts = m.experts().max(1);
+        let (weights, scales) = m.parts();
+        let kind = match m {
+            ExpertMatrices::Mxfp4(_) => ("EXPERTS", "MXFP4"),
+            ExpertMatrices::Int4(_) => ("EXPERTS", "INT4"),
+            ExpertMatrices::Dense(d) => ("EXPERTS_UNQUANTIZED", format_define(d.format)),
+        };
+        ExpertLayout {
             defines: [
-                ("EXPERTS", "1".into()),
-                (format, "1".into()),
+                (kind.0, "1".into()),
+                (kind.1, "1".into()),
                 ("EXPERT_PAIRS", "1".into()),
             ],
+            rows: m.outputs(),
+            cols: m.inputs(),
+            expert_bytes: weights.len() / experts,
+            scale_bytes: scales.map_or(0, |s| s.len() / experts),
+        }
+    }
+}
+
+impl GpuExperts {
+    /// `experts` experts laid out as `layout`, chunk buffers made by `make(first, count)`.
+    fn build(
+        ctx: &GpuContext,
+        name: &str,
+        layout: ExpertLayout,
+        experts: usize,
+        mut make: impl FnMut(usize, usize) -> Result<(wgpu::Buffer, Option<wgpu::Buffer>)>,
+    ) -> Result<GpuExperts> {
+        let unit = layout.expert_bytes.max(layout.scale_bytes);
+        let chunks = if experts == 0 {
+            Vec::new()
+        } else {
+            split(experts, unit, ctx.max_binding_bytes, name)?
+                .into_iter()
+                .map(|(first, n)| make(first, n).map(|(w, s)| (first, n, w, s)))
+                .collect::<Result<_>>()?
+        };
+        Ok(GpuExperts {
+            experts,
+            rows: layout.rows,
+            cols: layout.cols,
+            defines: layout.defines,
+            expert_bytes: layout.expert_bytes,
+            scale_bytes: layout.scale_bytes,
             chunks,
         })
+    }
+
+    /// Uploads every expert of whatever format the checkpoint stores.
+    pub fn upload(ctx: &GpuContext, name: &str, m: &ExpertMatrices) -> Result<GpuExperts> {
+        let layout = ExpertLayout::of(m);
+        let (eb, sb) = (layout.expert_bytes, layout.scale_bytes);
+        let (weights, scales) = m.parts();
+        Self::build(ctx, name, layout, m.experts(), |first, n| {
+            let w = ctx.upload(name, &weights[first * eb..(first + n) * eb]);
+            let s = scales.map(|s| ctx.upload(name, &s[first * sb..(first + n) * sb]));
+            Ok((w, s))
+        })
+    }
+
+    /// `slots` empty expert slots shaped like the experts of `like`, for the VRAM expert cache.
+    /// Fails when a slot's bytes are not whole 4-byte words (the queue writes words).
+    pub fn pool(
+        ctx: &GpuContext,
+        name: &str,
+        like: &ExpertMatrices,
+        slots: usize,
+    ) -> Result<GpuExperts> {
+        let layout = ExpertLayout::of(like);
+        let (eb, sb) = (layout.expert_bytes, layout.scale_bytes);
+        if slots > 0 && (!eb.is_multiple_of(4) || !sb.is_multiple_of(4)) {
+            return Err(Error::Gpu(format!(
+                "{name}: experts of {eb} + {sb} bytes are not whole 4-byte words, which a VRAM expert cache needs; keep every expert resident (--vram-budget 100%)"
+            )));
+        }
+        Self::build(ctx, name, layout, slots, |_, n| {
+            let w = ctx.zeroed(name, (n * eb) as u64)?;
+            let s = (sb > 0)
+                .then(|| ctx.zeroed(name, (n * sb) as u64))
+                .transpose()?;
+            Ok((w, s))
+        })
+    }
+
+    /// Writes one expert (`m` holding exactly one, in this pool's format) into `slot`; the copy
+    /// lands before the next submission's commands run.
+    pub fn write_slot(&self, queue: &wgpu::Queue, slot: usize, m: &ExpertMatrices) -> Result<()> {
+        let (weights, scales) = m.parts();
+        let fits =
+            weights.len() == self.expert_bytes && scales.map_or(0, <[u8]>::len) == self.scale_bytes;
+        let chunk = self
+            .chunks
+            .iter()
+            .find(|(first, n, _, _)| (*first..first + n).contains(&slot));
+        let (Some((first, _, w, s)), true) = (chunk, fits) else {
+            return Err(Error::Gpu(format!(
+                "expert slot {slot}: no such slot, or an expert of another shape"
+            )));
+        };
+        let at = (slot - first) as u64;
+        queue.write_buffer(w, at * self.expert_bytes as u64, weights);
+        if let (Some(s), Some(scales)) = (s, scales) {
+            queue.write_buffer(s, at * self.scale_bytes as u64, scales);
+        }
+        Ok(())
+    }
+
+    /// Bytes of one expert (weights and scales).
+    pub fn bytes_per_expert(&self) -> usize {
+        self.expert_bytes + self.scale_bytes
+    }
+
+    pub fn upload_mxfp4(ctx: &GpuContext, name: &str, m: &Mxfp4Experts) -> Result<GpuExperts> {
+        Self::upload(ctx, name, &ExpertMatrices::Mxfp4(m.clone()))
+    }
+
+    pub fn upload_int4(ctx: &GpuContext, name: &str, m: &Int4Experts) -> Result<GpuExperts> {
+        Self::upload(ctx, name, &ExpertMatrices::Int4(m.clone()))
     }
 
     /// Unquantized experts, `[E, in, out]` as transformers stores them.
@@ -238,59 +338,7 @@ impl GpuExperts {
         name: &str,
         m: &DenseExperts,
     ) -> Result<GpuExperts> {
-        let expert_bytes = m.inputs * m.outputs * m.format.size();
-        let bytes = m.data.bytes();
-        let chunks = split(m.experts, expert_bytes, ctx.max_binding_bytes, name)?
-            .into_iter()
-            .map(|(first, n)| {
-                let w = &bytes[first * expert_bytes..(first + n) * expert_bytes];
-                (first, n, ctx.upload(name, w), None)
-            })
-            .collect();
-        Ok(GpuExperts {
-            experts: m.experts,
-            rows: m.outputs,
-            cols: m.inputs,
-            defines: [
-                ("EXPERTS_UNQUANTIZED", "1".into()),
-                (format_define(m.format), "1".into()),
-                ("EXPERT_PAIRS", "1".into()),
-            ],
-            chunks,
-        })
-    }
-
-    /// Uploads whatever expert format the checkpoint stores.
-    pub fn upload(ctx: &GpuContext, name: &str, m: &ExpertMatrices) -> Result<GpuExperts> {
-        match m {
-            ExpertMatrices::Mxfp4(m) => Self::upload_mxfp4(ctx, name, m),
-            ExpertMatrices::Int4(m) => Self::upload_int4(ctx, name, m),
-            ExpertMatrices::Dense(m) => Self::upload_unquantized(ctx, name, m),
-        }
-    }
-
-    pub fn upload_mxfp4(ctx: &GpuContext, name: &str, m: &Mxfp4Experts) -> Result<GpuExperts> {
-        let shape = (m.experts, m.rows, m.cols);
-        Self::upload_packed(
-            ctx,
-            name,
-            "MXFP4",
-            shape,
-            m.blocks.bytes(),
-            m.scales.bytes(),
-        )
-    }
-
-    pub fn upload_int4(ctx: &GpuContext, name: &str, m: &Int4Experts) -> Result<GpuExperts> {
-        let shape = (m.experts, m.rows, m.cols);
-        Self::upload_packed(
-            ctx,
-            name,
-            "INT4",
-            shape,
-            m.qweight.bytes(),
-            m.scales.bytes(),
-        )
+        Self::upload(ctx, name, &ExpertMatrices::Dense(m.clone()))
     }
 
     /// For each of `pairs` (token, slot) pairs `p`: `y[p] = W[ids[p]] . x[p / x_div] + bias[ids[p]]`

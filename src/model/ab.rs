@@ -5,9 +5,7 @@ use std::collections::BTreeSet;
 use serde::Serialize;
 
 use super::Model;
-use super::generate::{
-    CpuSession, DEFAULT_GPU_BLOCK, GenerateOptions, generate_with, validate_prompt,
-};
+use super::generate::{CpuSession, GenerateOptions, generate_with, validate_prompt};
 use super::gpu_tier::{GpuModel, GpuTierOptions};
 use crate::error::Result;
 use crate::gpu::{GpuContext, GpuOptions};
@@ -58,22 +56,23 @@ impl AbReport {
     }
 }
 
-/// Runs both tiers greedily for `max_new_tokens` (EOS ignored) and compares them.
+/// Runs both tiers greedily for `max_new_tokens` (EOS ignored) and compares them; the GPU tier
+/// runs with `gpu` (its context applies to both, its top-logits count is the report's).
 pub fn compare_tiers(
     model: &Model,
     prompt: &[u32],
     max_new_tokens: usize,
-    context: usize,
+    gpu: &GpuTierOptions,
 ) -> Result<AbReport> {
+    let context = gpu.context;
     validate_prompt(&model.config, prompt, context)?;
     let ctx = GpuContext::new(&GpuOptions::from_env())?;
     let adapter = ctx.adapter.clone();
     let options = GpuTierOptions {
-        context,
-        max_block: DEFAULT_GPU_BLOCK,
         top_logits: TOP,
+        ..gpu.clone()
     };
-    let mut gpu = GpuModel::new(ctx, &model.config, &model.weights, options)?;
+    let mut gpu = GpuModel::new(ctx, model, options)?;
 
     // Routing of every prompt position, layer by layer.
     let gpu_routing = gpu.trace_routing(prompt)?;

@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use super::gpu_tier::{GpuCounters, GpuModel};
+use super::gpu_tier::{GpuCounters, GpuModel, GpuTierOptions, LayerPlacement};
 use super::sampler::{argmax, top_k};
 use super::{KvCache, Model};
 use crate::config::Config;
@@ -121,6 +121,10 @@ pub trait Session {
     fn gpu_counters(&self) -> Option<GpuCounters> {
         None
     }
+    /// Where each layer ran, when the GPU tier runs.
+    fn placement(&self) -> Option<Vec<LayerPlacement>> {
+        None
+    }
 }
 
 /// The CPU tier.
@@ -153,7 +157,7 @@ impl Session for CpuSession<'_> {
     }
 }
 
-impl Session for GpuModel {
+impl Session for GpuModel<'_> {
     fn feed(&mut self, tokens: &[u32], top_logits: usize) -> Result<Step> {
         GpuModel::feed(self, tokens, top_logits)
     }
@@ -169,6 +173,10 @@ impl Session for GpuModel {
     fn gpu_counters(&self) -> Option<GpuCounters> {
         Some(self.counters)
     }
+
+    fn placement(&self) -> Option<Vec<LayerPlacement>> {
+        Some(GpuModel::placement(self).to_vec())
+    }
 }
 
 /// The GPU tier while its device lives; if the device is lost, the CPU tier for the rest of the
@@ -176,13 +184,13 @@ impl Session for GpuModel {
 pub struct FallbackSession<'a> {
     model: &'a Model,
     context: usize,
-    gpu: Option<GpuModel>,
+    gpu: Option<GpuModel<'a>>,
     cpu: Option<CpuSession<'a>>,
     history: Vec<u32>,
 }
 
 impl<'a> FallbackSession<'a> {
-    pub fn new(model: &'a Model, gpu: GpuModel, context: usize) -> FallbackSession<'a> {
+    pub fn new(model: &'a Model, gpu: GpuModel<'a>, context: usize) -> FallbackSession<'a> {
         FallbackSession {
             model,
             context,
@@ -204,11 +212,11 @@ impl<'a> FallbackSession<'a> {
     }
 
     /// The GPU tier, while it runs.
-    pub fn gpu(&self) -> Option<&GpuModel> {
+    pub fn gpu(&self) -> Option<&GpuModel<'a>> {
         self.gpu.as_ref()
     }
 
-    pub fn gpu_mut(&mut self) -> Option<&mut GpuModel> {
+    pub fn gpu_mut(&mut self) -> Option<&mut GpuModel<'a>> {
         self.gpu.as_mut()
     }
 }
@@ -222,25 +230,20 @@ pub enum BackendChoice {
     Auto,
 }
 
-/// Opens a session on the chosen tier. `Gpu` fails with a clear error when there is no usable
-/// adapter or the model does not fit; `Auto` then runs on the CPU and says why in the log.
+/// Opens a session on the chosen tier (`gpu.context` and `gpu.top_logits` apply to both).
+/// `Gpu` fails with a clear error when there is no usable adapter or the dense weights do not
+/// fit; `Auto` then runs on the CPU and says why in the log.
 pub fn open_session<'a>(
     model: &'a Model,
     choice: BackendChoice,
-    context: usize,
-    top_logits: usize,
+    gpu: &GpuTierOptions,
 ) -> Result<FallbackSession<'a>> {
+    let context = gpu.context;
     if choice == BackendChoice::Cpu {
         return Ok(FallbackSession::cpu(model, context));
     }
-    let gpu = crate::gpu::GpuContext::new(&crate::gpu::GpuOptions::from_env()).and_then(|ctx| {
-        let options = crate::model::gpu_tier::GpuTierOptions {
-            context,
-            max_block: DEFAULT_GPU_BLOCK,
-            top_logits,
-        };
-        GpuModel::new(ctx, &model.config, &model.weights, options)
-    });
+    let gpu = crate::gpu::GpuContext::new(&crate::gpu::GpuOptions::from_env())
+        .and_then(|ctx| GpuModel::new(ctx, model, gpu.clone()));
     match (gpu, choice) {
         (Ok(gpu), _) => {
             log::info!(
@@ -306,6 +309,10 @@ impl Session for FallbackSession<'_> {
 
     fn gpu_counters(&self) -> Option<GpuCounters> {
         self.gpu.as_ref().map(|g| g.counters)
+    }
+
+    fn placement(&self) -> Option<Vec<LayerPlacement>> {
+        self.gpu.as_ref().map(|g| g.placement().to_vec())
     }
 }
 

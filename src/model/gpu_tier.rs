@@ -1,23 +1,58 @@
-//! The GPT-OSS forward pass on the GPU tier, with every weight resident in GPU memory.
+//! The GPT-OSS forward pass on the GPU tier: dense weights resident in GPU memory, experts either
+//! all resident or held by a byte-budgeted VRAM cache (LRU) in front of the RAM/disk expert store.
 //!
 //! A block of tokens is one prepared plan (pipelines, bind groups, workgroup counts built once per
-//! block size) recorded into one command encoder: routing stays on the device (the router's top-k
-//! ids select the expert weights inside the expert kernels), and the head ends in an on-device
-//! top-k, so a decoded token costs one submission and one readback of a few words.
+//! block size). With every expert resident the plan is recorded into one command encoder: routing
+//! stays on the device (the router's top-k ids select the expert weights inside the expert
+//! kernels), and the head ends in an on-device top-k, so a decoded token costs one submission and
+//! one readback of a few words. With a VRAM cache, each layer's routing is read back (with the
+//! MoE input) so the host can place that layer's experts: hits run on the GPU from their cache
+//! slots, misses are uploaded into a slot or computed by the CPU tier from RAM (`MissPolicy`), and
+//! the CPU's outputs join the GPU's before the same on-device combine, so placement never changes
+//! the order of the sum.
 
 use std::collections::HashMap;
+use std::time::Instant;
 
+use super::Model;
 use super::generate::{Step, validate_tokens};
 use crate::config::Config;
 use crate::cpu::rope::RopeTable;
 use crate::error::{Error, Result};
+use crate::experts::{ExpertKey, VramBudget};
 use crate::gpu::GpuContext;
 use crate::gpu::kernels::{
     AttentionShape, Dispatch, GpuExperts, GpuMatrix, MAX_GPU_TOP_LOGITS, prepare_add,
     prepare_attention, prepare_combine, prepare_kv_store, prepare_rms_norm, prepare_rope,
     prepare_route, prepare_swiglu, prepare_top_k,
 };
-use crate::weights::ModelWeights;
+
+/// What the GPU tier does with an expert its VRAM cache does not hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MissPolicy {
+    /// Upload in prompt blocks (many tokens share each expert), compute on the CPU in decode
+    /// (one token: running a cold expert from RAM beats copying it); free slots always fill.
+    #[default]
+    Auto,
+    /// Always upload, evicting the least recently used expert the layer is not using.
+    Upload,
+    /// Upload only into free slots; never evict, compute the rest on the CPU.
+    Cpu,
+}
+
+impl std::str::FromStr for MissPolicy {
+    type Err = String;
+
+    fn from_str(text: &str) -> std::result::Result<MissPolicy, String> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(MissPolicy::Auto),
+            "upload" => Ok(MissPolicy::Upload),
+            "cpu" => Ok(MissPolicy::Cpu),
+            _ => Err(format!("{text:?}: expected auto, upload or cpu")),
+        }
+    }
+}
 
 /// Options of the GPU tier.
 #[derive(Debug, Clone)]
@@ -28,6 +63,35 @@ pub struct GpuTierOptions {
     pub max_block: usize,
     /// Largest logits read back per step (at least 2: the margin needs the runner-up).
     pub top_logits: usize,
+    /// GPU memory for experts.
+    pub vram_budget: VramBudget,
+    pub miss_policy: MissPolicy,
+}
+
+impl Default for GpuTierOptions {
+    fn default() -> Self {
+        GpuTierOptions {
+            context: 4096,
+            max_block: super::generate::DEFAULT_GPU_BLOCK,
+            top_logits: 2,
+            vram_budget: VramBudget::Auto,
+            miss_policy: MissPolicy::Auto,
+        }
+    }
+}
+
+/// Where one layer ran, with the expert counts behind the choice (summed over the run).
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct LayerPlacement {
+    pub layer: usize,
+    pub attention: &'static str,
+    /// "gpu", "cpu" or "gpu+cpu" (some experts on each).
+    pub experts: &'static str,
+    pub residual: &'static str,
+    /// Experts the layer found in VRAM, uploaded, and computed on the CPU.
+    pub vram_hits: u64,
+    pub uploads: u64,
+    pub cpu_experts: u64,
 }
 
 /// Submissions and host readbacks, counted for the stats.
@@ -51,10 +115,66 @@ struct GpuLayer {
     sinks: wgpu::Buffer,
     router: GpuMatrix,
     router_bias: wgpu::Buffer,
+    /// The layer's experts, when every expert is resident (else the model's `ExpertPool`).
+    experts: Option<ResidentExperts>,
+}
+
+/// Every expert of a layer, with its biases (`[experts, rows]`).
+struct ResidentExperts {
     gate_up: GpuExperts,
     gate_up_bias: wgpu::Buffer,
     down: GpuExperts,
     down_bias: wgpu::Buffer,
+}
+
+/// Marks a (token, slot) pair that no cache slot serves: the CPU computed it.
+const NO_SLOT: u32 = u32::MAX;
+
+/// The VRAM expert cache: slots holding any layer's experts (the weights and biases of one
+/// expert per slot), an LRU over them, and the map from (layer, expert) to slot.
+struct ExpertPool {
+    gate_up: GpuExperts,
+    down: GpuExperts,
+    /// `[slots, rows]` biases of the expert in each slot.
+    gate_up_bias: wgpu::Buffer,
+    down_bias: wgpu::Buffer,
+    slot_of: HashMap<ExpertKey, usize>,
+    owner: Vec<Option<ExpertKey>>,
+    last_used: Vec<u64>,
+    clock: u64,
+}
+
+impl ExpertPool {
+    fn slots(&self) -> usize {
+        self.owner.len()
+    }
+
+    /// A slot for a new expert: a free one, else (when `evict`) the least recently used one not
+    /// used at `now` (the current layer's experts stay).
+    fn claim(&mut self, evict: bool, now: u64) -> Option<(usize, Option<ExpertKey>)> {
+        if let Some(free) = self.owner.iter().position(Option::is_none) {
+            return Some((free, None));
+        }
+        if !evict {
+            return None;
+        }
+        let victim = (0..self.slots())
+            .filter(|&s| self.last_used[s] < now)
+            .min_by_key(|&s| self.last_used[s])?;
+        let old = self.owner[victim].take();
+        if let Some(old) = old {
+            self.slot_of.remove(&old);
+        }
+        Some((victim, old))
+    }
+}
+
+/// Bytes one cached expert takes in VRAM: weights, scales and f32 biases of both projections.
+pub fn vram_bytes_per_expert(model: &Model) -> u64 {
+    let (cfg, first) = (&model.config, &model.weights.layers[0]);
+    let per = |m: &crate::weights::ExpertMatrices| m.bytes() / m.experts().max(1);
+    (per(&first.gate_up) + per(&first.down) + 4 * (2 * cfg.intermediate_size + cfg.hidden_size))
+        as u64
 }
 
 /// Activation buffers, sized for `max_block` tokens.
@@ -73,6 +193,11 @@ struct Activations {
     router_logits: wgpu::Buffer,
     expert_ids: wgpu::Buffer,
     expert_weights: wgpu::Buffer,
+    /// Cache slot of each (token, slot) pair, or `NO_SLOT` (VRAM cache only).
+    slot_ids: wgpu::Buffer,
+    /// A layer's routing ids (`[max_block, top_k]`) then its MoE input, read back to place its
+    /// experts (VRAM cache only).
+    routing_staging: wgpu::Buffer,
     gate_up: wgpu::Buffer,
     activated: wgpu::Buffer,
     down: wgpu::Buffer,
@@ -82,12 +207,18 @@ struct Activations {
     top: wgpu::Buffer,
     staging: wgpu::Buffer,
     dummy: wgpu::Buffer,
-    /// Router ids of every layer for the prompt, when tracing (`[layers, block, top_k]`).
+    /// Router ids of every layer for the block (`[layers, block, top_k]`): always with every
+    /// expert resident (read back with the head's top-k to count the experts used), else when
+    /// tracing.
     routing_trace: Option<wgpu::Buffer>,
 }
 
 enum PlanStep {
     Dispatch(Dispatch),
+    /// Submit what came before, read back this layer's routing and place its experts.
+    PlaceExperts {
+        layer: usize,
+    },
     Copy {
         from: wgpu::Buffer,
         from_offset: u64,
@@ -103,9 +234,15 @@ struct KvBuffers {
     capacity: usize,
 }
 
-/// A model resident on the GPU, with its KV cache.
-pub struct GpuModel {
+/// A model on the GPU, with its KV cache.
+pub struct GpuModel<'m> {
     pub ctx: GpuContext,
+    /// The CPU tier's model: the expert store that fills the VRAM cache, and the CPU's expert
+    /// kernels for misses.
+    model: &'m Model,
+    /// The VRAM expert cache, when not every expert is resident.
+    pool: Option<ExpertPool>,
+    placement: Vec<LayerPlacement>,
     config: Config,
     rope: RopeTable,
     options: GpuTierOptions,
@@ -118,6 +255,8 @@ pub struct GpuModel {
     /// Plans by (block size, runs the head).
     plans: HashMap<(usize, bool), Vec<PlanStep>>,
     len: usize,
+    /// Tokens in the last block run.
+    last_block: usize,
     pub counters: GpuCounters,
     /// Submit and check every kernel on its own (`PICCHIO_GPU_DEBUG=1`).
     debug: bool,
@@ -147,6 +286,9 @@ fn record(encoder: &mut wgpu::CommandEncoder, steps: &[PlanStep]) {
                 pass = None;
                 encoder.copy_buffer_to_buffer(from, *from_offset, to, *to_offset, *bytes);
             }
+            PlanStep::PlaceExperts { .. } => {
+                unreachable!("plans are split at PlaceExperts before recording")
+            }
         }
     }
 }
@@ -159,31 +301,45 @@ fn f32s(ctx: &GpuContext, label: &str, values: &[f32]) -> wgpu::Buffer {
     ctx.upload_f32(label, values)
 }
 
-impl GpuModel {
-    /// Uploads every weight. Fails (without panicking) when the device cannot hold them.
-    pub fn new(
-        ctx: GpuContext,
-        config: &Config,
-        weights: &ModelWeights,
-        options: GpuTierOptions,
-    ) -> Result<GpuModel> {
-        let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-        let built = Self::build(ctx, config, weights, options);
-        if let Some(error) = pollster::block_on(scope.pop()) {
-            return Err(Error::Gpu(format!(
-                "the model does not fit in GPU memory: {error}"
-            )));
-        }
-        built
+fn expert_bytes_of(weights: &crate::weights::ModelWeights) -> u64 {
+    weights
+        .layers
+        .iter()
+        .map(|l| (l.gate_up.bytes() + l.down.bytes()) as u64)
+        .sum()
+}
+
+/// Runs `operation` with out-of-memory errors caught; `what` names what did not fit.
+fn catching_oom<T>(
+    device: &wgpu::Device,
+    what: &str,
+    operation: impl FnOnce() -> Result<T>,
+) -> Result<T> {
+    let scope = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+    let result = operation();
+    match (pollster::block_on(scope.pop()), result) {
+        (Some(error), _) => Err(Error::Gpu(format!(
+            "{what} do not fit in GPU memory: {error}"
+        ))),
+        (None, result) => result,
+    }
+}
+
+impl<'m> GpuModel<'m> {
+    /// Uploads the dense weights, then the experts: all of them, or a VRAM cache of as many as
+    /// the budget allows. Fails (without panicking) when the dense weights do not fit.
+    pub fn new(ctx: GpuContext, model: &'m Model, options: GpuTierOptions) -> Result<GpuModel<'m>> {
+        let device = ctx.device.clone();
+        let mut gpu = catching_oom(&device, "the dense weights", || {
+            Self::build(ctx, model, options)
+        })?;
+        gpu.place_experts_in_vram()?;
+        Ok(gpu)
     }
 
-    fn build(
-        ctx: GpuContext,
-        cfg: &Config,
-        weights: &ModelWeights,
-        options: GpuTierOptions,
-    ) -> Result<GpuModel> {
-        ctx.check_fits(weights.bytes() as u64)?;
+    fn build(ctx: GpuContext, model: &'m Model, options: GpuTierOptions) -> Result<GpuModel<'m>> {
+        let (cfg, weights) = (&model.config, &model.weights);
+        ctx.check_fits(weights.bytes() as u64 - expert_bytes_of(weights))?;
         if options.top_logits > MAX_GPU_TOP_LOGITS {
             return Err(Error::InvalidArgument(format!(
                 "the GPU reports at most {MAX_GPU_TOP_LOGITS} logits per step ({} asked); use --backend cpu for more",
@@ -214,10 +370,7 @@ impl GpuModel {
                 sinks: f32s(&ctx, &name("sinks"), &w.sinks),
                 router: GpuMatrix::upload(&ctx, &name("router"), &w.router)?,
                 router_bias: f32s(&ctx, &name("router bias"), &w.router_bias),
-                gate_up: GpuExperts::upload(&ctx, &name("gate_up"), &w.gate_up)?,
-                gate_up_bias: f32s(&ctx, &name("gate_up bias"), &w.gate_up_bias),
-                down: GpuExperts::upload(&ctx, &name("down"), &w.down)?,
-                down_bias: f32s(&ctx, &name("down bias"), &w.down_bias),
+                experts: None,
             });
         }
         let embeddings = GpuMatrix::upload(&ctx, "embeddings", &weights.embeddings)?;
@@ -248,6 +401,13 @@ impl GpuModel {
             router_logits: zeroed("router logits", f(b * cfg.num_experts))?,
             expert_ids: zeroed("expert ids", f(b * k))?,
             expert_weights: zeroed("expert weights", f(b * k))?,
+            slot_ids: zeroed("expert slots", f(b * k))?,
+            routing_staging: ctx.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("routing staging"),
+                size: f(b * k + b * h),
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }),
             gate_up: zeroed("gate_up", f(b * k * 2 * i))?,
             activated: zeroed("activated", f(b * k * i))?,
             down: zeroed("down", f(b * k * h))?,
@@ -257,14 +417,26 @@ impl GpuModel {
             top: zeroed("top", top_bytes)?,
             staging: ctx.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("top staging"),
-                size: top_bytes,
+                // The top-k, then (every expert resident) every layer's routing ids.
+                size: top_bytes + f(cfg.num_layers * b * k),
                 usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
             }),
             dummy: zeroed("dummy", 4)?,
             routing_trace: None,
         };
-        let mut model = GpuModel {
+        let mut gpu = GpuModel {
+            model,
+            pool: None,
+            placement: (0..cfg.num_layers)
+                .map(|layer| LayerPlacement {
+                    layer,
+                    attention: "gpu",
+                    experts: "gpu",
+                    residual: "gpu",
+                    ..Default::default()
+                })
+                .collect(),
             rope: RopeTable::new(cfg),
             config: cfg.clone(),
             options,
@@ -276,14 +448,141 @@ impl GpuModel {
             kv: Vec::new(),
             plans: HashMap::new(),
             len: 0,
+            last_block: 0,
             counters: GpuCounters::default(),
             debug: std::env::var("PICCHIO_GPU_DEBUG").is_ok_and(|v| v == "1"),
             ctx,
         };
-        model.kv = (0..cfg.num_layers)
-            .map(|l| model.new_kv(l, 0))
+        gpu.kv = (0..cfg.num_layers)
+            .map(|l| gpu.new_kv(l, 0))
             .collect::<Result<_>>()?;
-        Ok(model)
+        Ok(gpu)
+    }
+
+    /// Puts every expert in VRAM when the budget allows, else a cache of as many slots as it
+    /// does. `Auto` tries every expert, then halves the cache until the device takes it.
+    fn place_experts_in_vram(&mut self) -> Result<()> {
+        let (cfg, weights) = (&self.model.config, &self.model.weights);
+        let total = cfg.num_layers * cfg.num_experts;
+        let first = &weights.layers[0];
+        // An empty pool tells whether these experts can be cached at all.
+        let probe = (
+            GpuExperts::pool(&self.ctx, "probe", &first.gate_up, 0),
+            GpuExperts::pool(&self.ctx, "probe", &first.down, 0),
+        );
+        let per_slot = match &probe {
+            (Ok(_), Ok(_)) => vram_bytes_per_expert(self.model),
+            _ => u64::MAX, // experts a cache cannot hold: all resident or none
+        };
+        let slots_for = |bytes: f64| ((bytes / per_slot as f64).floor() as usize).min(total);
+        let mut slots = match self.options.vram_budget {
+            VramBudget::Bytes(b) => slots_for(b as f64),
+            VramBudget::Percent(p) => slots_for(per_slot as f64 * total as f64 * p / 100.0),
+            VramBudget::Auto => {
+                // A software adapter's memory is the host's: leave half of what is available.
+                let all = per_slot.saturating_mul(total as u64);
+                match crate::experts::available_memory_bytes() {
+                    Some(a) if self.ctx.adapter.device_type == "Cpu" && all > a / 2 => {
+                        slots_for(a as f64 / 2.0)
+                    }
+                    _ => total,
+                }
+            }
+        };
+        loop {
+            let attempt = if slots >= total {
+                self.upload_all_experts()
+            } else {
+                self.make_pool(slots)
+            };
+            match attempt {
+                Ok(()) => break,
+                Err(e) if self.options.vram_budget == VramBudget::Auto && slots > 0 => {
+                    log::info!("VRAM expert cache of {slots} experts: {e}; trying half");
+                    for layer in &mut self.layers {
+                        layer.experts = None;
+                    }
+                    self.pool = None;
+                    slots = slots.min(total) / 2;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        let (cached, bytes) = match &self.pool {
+            Some(pool) => (pool.slots(), pool.slots() as u64 * per_slot),
+            None => (total, expert_bytes_of(weights)),
+        };
+        log::info!(
+            "VRAM holds {cached} of {total} experts ({:.2} GB){}",
+            bytes as f64 / 1e9,
+            if self.pool.is_some() {
+                format!("; misses: {:?}", self.options.miss_policy).to_lowercase()
+            } else {
+                String::new()
+            }
+        );
+        if self.pool.is_none() {
+            let bytes =
+                (cfg.num_layers * self.options.max_block * cfg.experts_per_token * 4) as u64;
+            self.act.routing_trace = Some(self.ctx.zeroed("routing trace", bytes)?);
+        }
+        self.plans.clear();
+        Ok(())
+    }
+
+    /// Counts the experts every layer used in the last block (`ids`: `[layers, n, top_k]`) as
+    /// VRAM hits: with every expert resident, each one the routing chose is one.
+    fn count_resident_routing(&mut self, ids: &[u32]) {
+        let n = self.last_block;
+        let k = self.config.experts_per_token;
+        for (l, layer) in ids.chunks(n * k).enumerate() {
+            let mut used: Vec<usize> = layer.iter().map(|&e| e as usize).collect();
+            used.sort_unstable();
+            used.dedup();
+            used.retain(|&e| e < self.config.num_experts);
+            self.model.experts.count_vram_hits(l, &used);
+            self.placement[l].vram_hits += used.len() as u64;
+        }
+    }
+
+    fn upload_all_experts(&mut self) -> Result<()> {
+        let weights = &self.model.weights;
+        let (ctx, layers) = (&self.ctx, &mut self.layers);
+        catching_oom(&ctx.device, "every expert", || {
+            for (l, (layer, w)) in layers.iter_mut().zip(&weights.layers).enumerate() {
+                let name = |s: &str| format!("layer {l} {s}");
+                layer.experts = Some(ResidentExperts {
+                    gate_up: GpuExperts::upload(ctx, &name("gate_up"), &w.gate_up)?,
+                    gate_up_bias: f32s(ctx, &name("gate_up bias"), &w.gate_up_bias),
+                    down: GpuExperts::upload(ctx, &name("down"), &w.down)?,
+                    down_bias: f32s(ctx, &name("down bias"), &w.down_bias),
+                });
+            }
+            Ok(())
+        })
+    }
+
+    fn make_pool(&mut self, slots: usize) -> Result<()> {
+        let cfg = &self.model.config;
+        let first = &self.model.weights.layers[0];
+        let ctx = &self.ctx;
+        let what = format!("{slots} cached experts");
+        let pool = catching_oom(&ctx.device, &what, || {
+            let f = |n: usize| (n.max(1) * 4) as u64;
+            Ok(ExpertPool {
+                gate_up: GpuExperts::pool(ctx, "cached gate_up", &first.gate_up, slots)?,
+                down: GpuExperts::pool(ctx, "cached down", &first.down, slots)?,
+                gate_up_bias: ctx
+                    .zeroed("cached gate_up bias", f(slots * 2 * cfg.intermediate_size))?,
+                down_bias: ctx.zeroed("cached down bias", f(slots * cfg.hidden_size))?,
+                slot_of: HashMap::new(),
+                owner: vec![None; slots],
+                last_used: vec![0; slots],
+                clock: 0,
+            })
+        })?;
+        self.pool = Some(pool);
+        Ok(())
     }
 
     /// Most positions one KV buffer can bind on this device.
@@ -343,6 +642,16 @@ impl GpuModel {
             self.plans.clear();
         }
         Ok(())
+    }
+
+    /// Experts in the VRAM cache's slots, when there is a cache (else every expert is resident).
+    pub fn cached_experts(&self) -> Option<usize> {
+        self.pool.as_ref().map(ExpertPool::slots)
+    }
+
+    /// Where each layer ran so far.
+    pub fn placement(&self) -> &[LayerPlacement] {
+        &self.placement
     }
 
     fn shape(&self, l: usize) -> AttentionShape {
@@ -482,15 +791,56 @@ impl GpuModel {
                 });
             }
             let pairs = n * k;
+            // Resident experts are picked by the routing ids on the device; cached ones by the
+            // slot ids the host writes after reading the routing back.
+            let (gate_up, gate_up_bias, down, down_bias, selector) = match (&w.experts, &self.pool)
+            {
+                (Some(r), _) => (
+                    &r.gate_up,
+                    &r.gate_up_bias,
+                    &r.down,
+                    &r.down_bias,
+                    &a.expert_ids,
+                ),
+                (None, Some(pool)) => {
+                    let ids_bytes = (n * k * 4) as u64;
+                    let ids_capacity = (self.options.max_block * k * 4) as u64;
+                    steps.push(PlanStep::Copy {
+                        from: a.expert_ids.clone(),
+                        from_offset: 0,
+                        to: a.routing_staging.clone(),
+                        to_offset: 0,
+                        bytes: ids_bytes,
+                    });
+                    steps.push(PlanStep::Copy {
+                        from: a.normed.clone(),
+                        from_offset: 0,
+                        to: a.routing_staging.clone(),
+                        to_offset: ids_capacity,
+                        bytes: (n * h * 4) as u64,
+                    });
+                    steps.push(PlanStep::PlaceExperts { layer: l });
+                    (
+                        &pool.gate_up,
+                        &pool.gate_up_bias,
+                        &pool.down,
+                        &pool.down_bias,
+                        &a.slot_ids,
+                    )
+                }
+                (None, None) => {
+                    return Err(Error::Gpu(format!("layer {l}: no experts in VRAM")));
+                }
+            };
             add(
                 &mut steps,
-                w.gate_up.prepare(
+                gate_up.prepare(
                     ctx,
                     &a.normed,
                     k,
-                    &a.expert_ids,
+                    selector,
                     pairs,
-                    Some(&w.gate_up_bias),
+                    Some(gate_up_bias),
                     &a.gate_up,
                     &a.dummy,
                 )?,
@@ -507,13 +857,13 @@ impl GpuModel {
             );
             add(
                 &mut steps,
-                w.down.prepare(
+                down.prepare(
                     ctx,
                     &a.activated,
                     1,
-                    &a.expert_ids,
+                    selector,
                     pairs,
-                    Some(&w.down_bias),
+                    Some(down_bias),
                     &a.down,
                     &a.dummy,
                 )?,
@@ -570,6 +920,15 @@ impl GpuModel {
                 to_offset: 0,
                 bytes: (8 * self.options.top_logits) as u64,
             });
+            if let (None, Some(trace)) = (&self.pool, &a.routing_trace) {
+                steps.push(PlanStep::Copy {
+                    from: trace.clone(),
+                    from_offset: 0,
+                    to: a.staging.clone(),
+                    to_offset: (8 * self.options.top_logits) as u64,
+                    bytes: (cfg.num_layers * n * k * 4) as u64,
+                });
+            }
         }
         Ok(steps)
     }
@@ -631,29 +990,59 @@ impl GpuModel {
             let plan = self.scoped(|model| model.build_plan(n, head))?;
             self.plans.insert((n, head), plan);
         }
-        if self.debug {
-            return self.run_block_debug(n, head);
-        }
-        let plan = &self.plans[&(n, head)];
-        self.ctx.guard(|| {
-            let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
-            record(&mut encoder, plan);
-            self.ctx.queue.submit([encoder.finish()]);
-            Ok(())
-        })?;
-        self.counters.submits += 1;
+        // Out of the map while it runs: placing experts needs the model mutably.
+        let plan = self.plans.remove(&(n, head)).unwrap_or_default();
+        let result = if self.debug {
+            self.run_plan_debug(&plan, n)
+        } else {
+            self.run_plan(&plan, n)
+        };
+        self.plans.insert((n, head), plan);
+        result?;
         self.len += n;
+        self.last_block = n;
+        if let (None, Some(trace), false) = (&self.pool, &self.act.routing_trace, head) {
+            // Blocks without a head have no readback of their own: count their routing here.
+            let bytes = (self.config.num_layers * n * self.config.experts_per_token * 4) as u64;
+            let ids: Vec<u32> = bytemuck::pod_collect_to_vec(&self.ctx.read_back(trace, bytes)?);
+            self.counters.readbacks += 1;
+            self.count_resident_routing(&ids);
+        }
         if self.ctx.is_lost() {
             return Err(Error::Gpu("the GPU device was lost".into()));
         }
         Ok(())
     }
 
+    /// Records the plan's runs between expert placements into one encoder each.
+    fn run_plan(&mut self, plan: &[PlanStep], n: usize) -> Result<()> {
+        for segment in plan.split_inclusive(|s| matches!(s, PlanStep::PlaceExperts { .. })) {
+            let (steps, place) = match segment.split_last() {
+                Some((PlanStep::PlaceExperts { layer }, steps)) => (steps, Some(*layer)),
+                _ => (segment, None),
+            };
+            self.ctx.guard(|| {
+                let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
+                record(&mut encoder, steps);
+                self.ctx.queue.submit([encoder.finish()]);
+                Ok(())
+            })?;
+            self.counters.submits += 1;
+            if let Some(layer) = place {
+                self.place_layer_experts(layer, n)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The debug mode (`PICCHIO_GPU_DEBUG=1`): one submission per kernel, each checked for
     /// validation errors and timed, in the log at debug level. Slow; the results are the same.
-    fn run_block_debug(&mut self, n: usize, head: bool) -> Result<()> {
-        let plan = &self.plans[&(n, head)];
+    fn run_plan_debug(&mut self, plan: &[PlanStep], n: usize) -> Result<()> {
         for (i, step) in plan.iter().enumerate() {
+            if let PlanStep::PlaceExperts { layer } = step {
+                self.place_layer_experts(*layer, n)?;
+                continue;
+            }
             let scope = self
                 .ctx
                 .device
@@ -663,7 +1052,7 @@ impl GpuModel {
             record(&mut encoder, std::slice::from_ref(step));
             let label = match step {
                 PlanStep::Dispatch(d) => d.label.as_str(),
-                PlanStep::Copy { .. } => "copy",
+                _ => "copy",
             };
             self.ctx.queue.submit([encoder.finish()]);
             self.ctx.wait()?;
@@ -678,16 +1067,14 @@ impl GpuModel {
             );
         }
         self.counters.submits += plan.len() as u64;
-        self.len += n;
         Ok(())
     }
 
-    /// Reads the on-device top-k of the last head run: `(id, logit)`, largest first.
-    fn read_top(&mut self) -> Result<Vec<(u32, f32)>> {
-        let bytes = (8 * self.options.top_logits) as u64;
-        let staging = &self.act.staging;
+    /// Maps `bytes` of `buffer` (a MAP_READ staging buffer the last submission filled) and
+    /// copies them out.
+    fn read_staging(&mut self, buffer: &wgpu::Buffer, bytes: u64) -> Result<Vec<u8>> {
         let (sender, receiver) = std::sync::mpsc::channel();
-        staging.map_async(wgpu::MapMode::Read, ..bytes, move |r| {
+        buffer.map_async(wgpu::MapMode::Read, ..bytes, move |r| {
             let _ = sender.send(r);
         });
         self.ctx.wait()?;
@@ -695,16 +1082,174 @@ impl GpuModel {
             .recv()
             .map_err(|_| Error::Gpu("readback never completed".into()))?
             .map_err(|e| Error::Gpu(format!("readback failed: {e}")))?;
-        let words: Vec<u32> = {
-            let view = staging
-                .get_mapped_range(..bytes)
-                .map_err(|e| Error::Gpu(format!("readback mapping: {e}")))?;
-            bytemuck::pod_collect_to_vec(&view[..])
-        };
-        staging.unmap();
+        let out = buffer
+            .get_mapped_range(..bytes)
+            .map_err(|e| Error::Gpu(format!("readback mapping: {e}")))?
+            .to_vec();
+        buffer.unmap();
         self.counters.readbacks += 1;
         if self.ctx.is_lost() {
             return Err(Error::Gpu("the GPU device was lost".into()));
+        }
+        Ok(out)
+    }
+
+    /// Places layer `l`'s experts for a block of `n` tokens whose routing and MoE input the last
+    /// submission copied to the staging buffer: cache hits keep their slot, misses are uploaded
+    /// into a slot or computed here on the CPU tier (their outputs written into the rows of the
+    /// down-projection buffer the GPU leaves alone), then the slot of every pair is written.
+    fn place_layer_experts(&mut self, l: usize, n: usize) -> Result<()> {
+        let model = self.model;
+        let (h, k) = (model.config.hidden_size, model.config.experts_per_token);
+        let ids_capacity = self.options.max_block * k * 4;
+        let staging = self.act.routing_staging.clone();
+        let bytes = self.read_staging(&staging, (ids_capacity + n * h * 4) as u64)?;
+        let ids: Vec<u32> = bytemuck::pod_collect_to_vec(&bytes[..n * k * 4]);
+        let x: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes[ids_capacity..]);
+        let mut chosen: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
+        chosen.sort_unstable();
+        chosen.dedup();
+        if let Some(&bad) = chosen.iter().find(|&&e| e >= model.config.num_experts) {
+            return Err(Error::Gpu(format!(
+                "layer {l}: the router chose expert {bad}"
+            )));
+        }
+
+        let evict = match self.options.miss_policy {
+            MissPolicy::Upload => true,
+            MissPolicy::Cpu => false,
+            MissPolicy::Auto => n > 1,
+        };
+        let pool = self
+            .pool
+            .as_mut()
+            .ok_or_else(|| Error::Gpu("no VRAM expert cache".into()))?;
+        pool.clock += 1;
+        let now = pool.clock;
+        let mut slot_of_expert: HashMap<usize, usize> = HashMap::new();
+        let mut evicted: Vec<usize> = Vec::new();
+        let (mut hits, mut uploads, mut on_cpu) = (Vec::new(), Vec::new(), Vec::new());
+        for &e in &chosen {
+            let key = ExpertKey {
+                layer: l,
+                expert: e,
+            };
+            if let Some(&slot) = pool.slot_of.get(&key) {
+                pool.last_used[slot] = now;
+                slot_of_expert.insert(e, slot);
+                hits.push(e);
+            }
+        }
+        for &e in &chosen {
+            if slot_of_expert.contains_key(&e) {
+                continue;
+            }
+            match pool.claim(evict, now) {
+                Some((slot, old)) => {
+                    if old.is_some() {
+                        evicted.push(e);
+                    }
+                    let key = ExpertKey {
+                        layer: l,
+                        expert: e,
+                    };
+                    pool.owner[slot] = Some(key);
+                    pool.slot_of.insert(key, slot);
+                    pool.last_used[slot] = now;
+                    slot_of_expert.insert(e, slot);
+                    uploads.push(e);
+                }
+                None => on_cpu.push(e),
+            }
+        }
+        model.experts.count_vram_hits(l, &hits);
+
+        // Every read starts before the first is awaited; each expert is used as it arrives.
+        let fetched: Vec<usize> = uploads.iter().chain(&on_cpu).copied().collect();
+        let requests = model.experts.request(l, &fetched)?;
+        let layer = &model.weights.layers[l];
+        let i = model.config.intermediate_size;
+        let queue = &self.ctx.queue;
+        let pool = self.pool.as_ref().expect("checked above");
+        for (&e, request) in fetched.iter().zip(requests) {
+            let expert = model.experts.wait(request)?;
+            if let Some(&slot) = slot_of_expert.get(&e) {
+                let started = Instant::now();
+                pool.gate_up.write_slot(queue, slot, &expert.gate_up)?;
+                pool.down.write_slot(queue, slot, &expert.down)?;
+                let gate_up_bias = &layer.gate_up_bias[e * 2 * i..(e + 1) * 2 * i];
+                let down_bias = &layer.down_bias[e * h..(e + 1) * h];
+                queue.write_buffer(
+                    &pool.gate_up_bias,
+                    (slot * 2 * i * 4) as u64,
+                    bytemuck::cast_slice(gate_up_bias),
+                );
+                queue.write_buffer(
+                    &pool.down_bias,
+                    (slot * h * 4) as u64,
+                    bytemuck::cast_slice(down_bias),
+                );
+                let bytes = expert.bytes + 4 * (gate_up_bias.len() + down_bias.len());
+                let evictions = evicted.contains(&e) as u64;
+                model.experts.count_upload(bytes as u64, evictions, started);
+            } else {
+                let started = Instant::now();
+                let pairs: Vec<usize> = (0..n * k).filter(|&p| ids[p] as usize == e).collect();
+                let xs: Vec<f32> = pairs
+                    .iter()
+                    .flat_map(|&p| x[(p / k) * h..(p / k + 1) * h].to_vec())
+                    .collect();
+                let out = model.run_expert(layer, e, &expert, &xs);
+                for (row, &p) in out.chunks_exact(h).zip(&pairs) {
+                    queue.write_buffer(
+                        &self.act.down,
+                        (p * h * 4) as u64,
+                        bytemuck::cast_slice(row),
+                    );
+                }
+                super::CpuTimings::add(&model.timings.experts_us, started);
+            }
+        }
+        let slots: Vec<u32> = ids
+            .iter()
+            .map(|&e| {
+                slot_of_expert
+                    .get(&(e as usize))
+                    .map_or(NO_SLOT, |&s| s as u32)
+            })
+            .collect();
+        queue.write_buffer(&self.act.slot_ids, 0, bytemuck::cast_slice(&slots));
+
+        let placed = &mut self.placement[l];
+        placed.vram_hits += hits.len() as u64;
+        placed.uploads += uploads.len() as u64;
+        placed.cpu_experts += on_cpu.len() as u64;
+        placed.experts = match (
+            placed.vram_hits + placed.uploads > 0,
+            placed.cpu_experts > 0,
+        ) {
+            (true, true) => "gpu+cpu",
+            (false, true) => "cpu",
+            _ => "gpu",
+        };
+        Ok(())
+    }
+
+    /// Reads the on-device top-k of the last head run: `(id, logit)`, largest first.
+    fn read_top(&mut self) -> Result<Vec<(u32, f32)>> {
+        let top_bytes = 8 * self.options.top_logits;
+        let counting = self.pool.is_none() && self.act.routing_trace.is_some();
+        let routing_bytes = if counting {
+            self.config.num_layers * self.last_block * self.config.experts_per_token * 4
+        } else {
+            0
+        };
+        let staging = self.act.staging.clone();
+        let bytes = self.read_staging(&staging, (top_bytes + routing_bytes) as u64)?;
+        let words: Vec<u32> = bytemuck::pod_collect_to_vec(&bytes[..top_bytes]);
+        if counting {
+            let ids: Vec<u32> = bytemuck::pod_collect_to_vec(&bytes[top_bytes..]);
+            self.count_resident_routing(&ids);
         }
         Ok(words
             .chunks_exact(2)
@@ -721,11 +1266,15 @@ impl GpuModel {
             self.options.max_block,
         );
         self.reset();
-        let trace = self.scoped(|model| {
-            model
-                .ctx
-                .zeroed("routing trace", (layers * block * k * 4) as u64)
-        })?;
+        let kept = self.act.routing_trace.clone();
+        let trace = match &kept {
+            Some(trace) => trace.clone(),
+            None => self.scoped(|model| {
+                model
+                    .ctx
+                    .zeroed("routing trace", (layers * block * k * 4) as u64)
+            })?,
+        };
         self.act.routing_trace = Some(trace.clone());
         self.plans.clear();
         let mut routing: Vec<Vec<Vec<u32>>> = vec![Vec::new(); layers];
@@ -744,7 +1293,7 @@ impl GpuModel {
                 break;
             }
         }
-        self.act.routing_trace = None;
+        self.act.routing_trace = kept;
         self.plans.clear();
         result.map(|()| routing)
     }

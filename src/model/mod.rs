@@ -17,7 +17,7 @@ use crate::cpu::moe::{Routing, clamped_swiglu, route};
 use crate::cpu::norm::rms_norm;
 use crate::cpu::rope::RopeTable;
 use crate::error::Result;
-use crate::experts::{ExpertStore, RamBudget};
+use crate::experts::{ExpertData, ExpertStore, RamBudget};
 use crate::weights::{Checkpoint, LayerWeights, ModelWeights};
 pub use kv_cache::KvCache;
 
@@ -265,7 +265,7 @@ impl Model {
     /// as transformers does, so the result does not depend on the block size.
     fn moe(&self, l: usize, layer: &LayerWeights, x: &[f32]) -> Result<(Vec<f32>, Vec<Routing>)> {
         let cfg = &self.config;
-        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let h = cfg.hidden_size;
         let n = x.len() / h;
         let mut logits = vec![0f32; n * cfg.num_experts];
         dense_matmul(&layer.router, x, Some(&layer.router_bias), &mut logits);
@@ -295,19 +295,11 @@ impl Model {
             if users.is_empty() {
                 continue;
             }
-            let m = users.len();
             let xs: Vec<f32> = users
                 .iter()
                 .flat_map(|&(t, _)| x[t * h..(t + 1) * h].to_vec())
                 .collect();
-            let mut gate_up = vec![0f32; m * 2 * i];
-            let gate_up_bias = &layer.gate_up_bias[e * 2 * i..(e + 1) * 2 * i];
-            expert_matmul(&expert.gate_up, 0, &xs, Some(gate_up_bias), &mut gate_up);
-            let mut activated = vec![0f32; m * i];
-            clamped_swiglu(&gate_up, cfg.swiglu_alpha, cfg.swiglu_limit, &mut activated);
-            let mut down = vec![0f32; m * h];
-            let down_bias = &layer.down_bias[e * h..(e + 1) * h];
-            expert_matmul(&expert.down, 0, &activated, Some(down_bias), &mut down);
+            let down = self.run_expert(layer, e, &expert, &xs);
             for (u, &(t, w)) in users.iter().enumerate() {
                 for (o, d) in out[t * h..(t + 1) * h]
                     .iter_mut()
@@ -318,6 +310,29 @@ impl Model {
             }
         }
         Ok((out, routings))
+    }
+
+    /// Expert `e` of `layer` (weights in `expert`) applied to the rows of `xs`, bias included
+    /// and routing weight not: `[rows, hidden]`.
+    pub fn run_expert(
+        &self,
+        layer: &LayerWeights,
+        e: usize,
+        expert: &ExpertData,
+        xs: &[f32],
+    ) -> Vec<f32> {
+        let cfg = &self.config;
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let m = xs.len() / h;
+        let mut gate_up = vec![0f32; m * 2 * i];
+        let gate_up_bias = &layer.gate_up_bias[e * 2 * i..(e + 1) * 2 * i];
+        expert_matmul(&expert.gate_up, 0, xs, Some(gate_up_bias), &mut gate_up);
+        let mut activated = vec![0f32; m * i];
+        clamped_swiglu(&gate_up, cfg.swiglu_alpha, cfg.swiglu_limit, &mut activated);
+        let mut down = vec![0f32; m * h];
+        let down_bias = &layer.down_bias[e * h..(e + 1) * h];
+        expert_matmul(&expert.down, 0, &activated, Some(down_bias), &mut down);
+        down
     }
 }
 

@@ -1,0 +1,181 @@
+//! Placement never changes math: the GPU tier with a VRAM expert cache of any size and any miss
+//! policy, over a RAM cache of any size, emits transformers' greedy tokens on every fixture, and
+//! its expert counters add up.
+
+mod common;
+
+use common::*;
+use picchio::Model;
+use picchio::experts::{RamBudget, VramBudget};
+use picchio::model::ModelOptions;
+use picchio::model::generate::{Session, generate_with};
+use picchio::model::gpu_tier::{GpuModel, GpuTierOptions, MissPolicy, vram_bytes_per_expert};
+
+/// A VRAM budget of `slots` cached experts of `model`.
+fn slots(model: &Model, slots: u64) -> VramBudget {
+    VramBudget::Bytes(slots * vram_bytes_per_expert(model))
+}
+
+#[test]
+fn every_vram_budget_and_miss_policy_gives_transformers_tokens() {
+    for dir in fixture_dirs() {
+        let reference = reference(&dir);
+        let probe = Model::load(&dir).unwrap();
+        let k = probe.config.experts_per_token as u64;
+        let cases: Vec<(&str, VramBudget, RamBudget, MissPolicy)> = vec![
+            // The GPU runs attention only; every expert streams from disk to the CPU tier.
+            (
+                "vram 0, ram 0",
+                VramBudget::Bytes(0),
+                RamBudget::Bytes(0),
+                MissPolicy::Auto,
+            ),
+            (
+                "vram 25%, ram 0",
+                VramBudget::Percent(25.0),
+                RamBudget::Bytes(0),
+                MissPolicy::Auto,
+            ),
+            // Room for one layer's experts: every layer evicts the previous layer's.
+            (
+                "vram k slots, upload",
+                slots(&probe, k),
+                RamBudget::Auto,
+                MissPolicy::Upload,
+            ),
+            (
+                "vram 50%, cpu",
+                VramBudget::Percent(50.0),
+                RamBudget::Percent(25.0),
+                MissPolicy::Cpu,
+            ),
+            (
+                "defaults",
+                VramBudget::Auto,
+                RamBudget::Auto,
+                MissPolicy::Auto,
+            ),
+        ];
+        for (name, vram_budget, ram_budget, miss_policy) in cases {
+            let model = Model::load_with(
+                &dir,
+                &ModelOptions {
+                    ram_budget,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let Some(ctx) = gpu(None) else {
+                return;
+            };
+            let options = GpuTierOptions {
+                context: 4096,
+                top_logits: 10,
+                vram_budget,
+                miss_policy,
+                ..Default::default()
+            };
+            let mut session = GpuModel::new(ctx, &model, options).unwrap();
+            let out = generate_with(
+                &mut session,
+                &model.config,
+                &reference.prompt_ids,
+                &greedy_options(32),
+            )
+            .unwrap();
+            let what = format!("{} ({name})", dir.display());
+            assert_eq!(out.generated_ids, reference.generated_ids, "{what}");
+
+            let s = model.experts.stats();
+            let placement = session.placement().to_vec();
+            let uploads: u64 = placement.iter().map(|p| p.uploads).sum();
+            let vram_hits: u64 = placement.iter().map(|p| p.vram_hits).sum();
+            let cpu: u64 = placement.iter().map(|p| p.cpu_experts).sum();
+            assert_eq!(
+                s.requests,
+                s.vram_hits + s.ram_hits + s.disk_reads,
+                "{what}: {s:?}"
+            );
+            assert_eq!(s.requests, vram_hits + uploads + cpu, "{what}: {s:?}");
+            assert_eq!(s.vram_hits, vram_hits, "{what}");
+            assert_eq!(
+                s.disk_bytes,
+                s.disk_reads * model.experts.expert_bytes(),
+                "{what}"
+            );
+            assert_eq!(
+                s.upload_bytes,
+                uploads * vram_bytes_per_expert(&model),
+                "{what}"
+            );
+            // Every layer's experts were asked for at every step (prefill + 31 decoded tokens).
+            for p in &placement {
+                assert!(
+                    p.vram_hits + p.uploads + p.cpu_experts >= 32,
+                    "{what}: {p:?}"
+                );
+            }
+            match name {
+                "vram 0, ram 0" => {
+                    assert_eq!(
+                        (s.vram_hits, s.upload_bytes, s.ram_hits),
+                        (0, 0, 0),
+                        "{what}"
+                    );
+                    assert!(placement.iter().all(|p| p.experts == "cpu"), "{what}");
+                }
+                "vram k slots, upload" => {
+                    // Each layer's experts pushed out the last layer's, at every step.
+                    assert_eq!(s.vram_hits, 0, "{what}: {s:?}");
+                    assert_eq!(s.vram_evictions, uploads - k, "{what}: {s:?}");
+                    // Decode uploads at every layer, every step (prefill blocks may choose more
+                    // experts than there are slots: those run on the CPU).
+                    assert!(placement.iter().all(|p| p.uploads >= 31 * k), "{what}");
+                }
+                "vram 50%, cpu" => assert_eq!(s.vram_evictions, 0, "{what}"),
+                "defaults" => {
+                    // Tiny models fit whole: every expert is a VRAM hit, read from disk never.
+                    assert_eq!(session.cached_experts(), None, "{what}");
+                    assert_eq!((s.vram_hits, s.disk_reads), (s.requests, 0), "{what}");
+                }
+                _ => {}
+            }
+            eprintln!("{what}: {s:?}");
+        }
+    }
+}
+
+#[test]
+fn prompt_blocks_with_a_vram_cache_give_the_same_tokens() {
+    // Prefill in blocks of 3 under a quarter-size cache that evicts: each block places its own
+    // experts, and the ids still match transformers'.
+    for dir in fixture_dirs() {
+        let reference = reference(&dir);
+        let model = Model::load(&dir).unwrap();
+        let Some(ctx) = gpu(None) else {
+            return;
+        };
+        let options = GpuTierOptions {
+            context: 4096,
+            max_block: 3,
+            top_logits: 10,
+            vram_budget: VramBudget::Percent(25.0),
+            miss_policy: MissPolicy::Upload,
+        };
+        let mut session = GpuModel::new(ctx, &model, options).unwrap();
+        let out = generate_with(
+            &mut session,
+            &model.config,
+            &reference.prompt_ids,
+            &greedy_options(8),
+        )
+        .unwrap();
+        assert_eq!(
+            out.generated_ids,
+            reference.generated_ids[..8],
+            "{}",
+            dir.display()
+        );
+        assert!(session.gpu_counters().unwrap().readbacks > 0);
+    }
+}
