@@ -1,5 +1,5 @@
 //! `picchio bench`: prefill and decode speed, cache hit rates and bytes moved, swept over memory
-//! budgets, each run on a freshly loaded model.
+//! budgets (every VRAM budget with every RAM budget), each run on a freshly loaded model.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -7,11 +7,11 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::experts::{ExpertStats, RamBudget};
+use crate::experts::{ExpertStats, RamBudget, VramBudget};
 use crate::model::generate::{
     BackendChoice, GenerateOptions, Session, generate_observed, open_session,
 };
-use crate::model::gpu_tier::GpuTierOptions;
+use crate::model::gpu_tier::{GpuTierOptions, MissPolicy, vram_bytes_per_expert};
 use crate::model::{Model, ModelOptions};
 
 #[derive(Debug, Clone)]
@@ -19,6 +19,9 @@ pub struct BenchOptions {
     pub model: PathBuf,
     pub backend: BackendChoice,
     pub ram_budgets: Vec<RamBudget>,
+    /// The GPU tier's expert cache budgets (ignored by CPU runs).
+    pub vram_budgets: Vec<VramBudget>,
+    pub miss_policy: MissPolicy,
     pub prompt_tokens: usize,
     pub gen_tokens: usize,
     pub seed: u64,
@@ -30,11 +33,18 @@ pub struct BenchRun {
     pub backend: String,
     pub ram_budget: String,
     pub ram_budget_bytes: u64,
+    pub vram_budget: String,
+    /// Bytes of the experts the GPU holds (null on the CPU tier).
+    pub vram_budget_bytes: Option<u64>,
     pub prefill_tokens_per_s: f64,
     pub decode_tokens_per_s: f64,
-    /// RAM hits / expert requests in the decode phase (null when no expert went through RAM).
+    /// VRAM hits / expert requests in the decode phase (null on the CPU tier).
+    pub vram_hit_rate: Option<f64>,
+    /// RAM hits / expert requests in the decode phase (null when no expert was requested).
     pub ram_hit_rate: Option<f64>,
     pub disk_bytes_per_token: f64,
+    /// Bytes copied into the VRAM expert cache per decoded token.
+    pub upload_bytes_per_token: f64,
     /// Share of decode time spent waiting for expert reads.
     pub io_wait_share: f64,
     pub expert_requests: u64,
@@ -78,13 +88,21 @@ pub fn run_bench(
             "bench needs --prompt-tokens of at least 1 and --gen-tokens of at least 2".into(),
         ));
     }
+    let vram_budgets = match options.backend {
+        BackendChoice::Cpu => vec![VramBudget::Auto],
+        _ => options.vram_budgets.clone(),
+    };
+    let configurations: Vec<(VramBudget, RamBudget)> = vram_budgets
+        .iter()
+        .flat_map(|v| options.ram_budgets.iter().map(move |r| (*v, *r)))
+        .collect();
     let mut runs = Vec::new();
-    for (done, budget) in options.ram_budgets.iter().enumerate() {
+    for (done, &(vram_budget, budget)) in configurations.iter().enumerate() {
         let peak_is_this_runs = reset_peak_rss();
         let model = Model::load_with(
             &options.model,
             &ModelOptions {
-                ram_budget: *budget,
+                ram_budget: budget,
                 ..Default::default()
             },
         )?;
@@ -92,6 +110,8 @@ pub fn run_bench(
         let context = options.prompt_tokens + options.gen_tokens;
         let gpu_options = GpuTierOptions {
             context,
+            vram_budget,
+            miss_policy: options.miss_policy,
             ..Default::default()
         };
         let mut session = open_session(&model, options.backend, &gpu_options)?;
@@ -113,15 +133,23 @@ pub fn run_bench(
         log::debug!("run took {:.1} s", started.elapsed().as_secs_f64());
         let decode = marks[1].since(&marks[0]);
         let decoded = out.decode_tokens.max(1) as f64;
+        let all_experts = model.config.num_layers * model.config.num_experts;
+        let on_gpu = session.gpu().is_some();
+        let rate = |hits: u64| (decode.requests > 0).then(|| hits as f64 / decode.requests as f64);
         runs.push(BenchRun {
             backend: session.backend().to_string(),
             ram_budget: format!("{budget:?}"),
             ram_budget_bytes: model.experts.budget(),
+            vram_budget: format!("{vram_budget:?}"),
+            vram_budget_bytes: session.gpu().map(|g| {
+                g.cached_experts().unwrap_or(all_experts) as u64 * vram_bytes_per_expert(&model)
+            }),
+            vram_hit_rate: if on_gpu { rate(decode.vram_hits) } else { None },
+            upload_bytes_per_token: decode.upload_bytes as f64 / decoded,
             prefill_tokens_per_s: options.prompt_tokens as f64
                 / (out.prefill_ms.max(1e-6) / 1000.0),
             decode_tokens_per_s: out.decode_tokens_per_s().unwrap_or(0.0),
-            ram_hit_rate: (decode.requests > 0)
-                .then(|| decode.ram_hits as f64 / decode.requests as f64),
+            ram_hit_rate: rate(decode.ram_hits),
             disk_bytes_per_token: decode.disk_bytes as f64 / decoded,
             io_wait_share: if out.decode_ms > 0.0 {
                 decode.io_wait_ms / out.decode_ms
@@ -132,7 +160,7 @@ pub fn run_bench(
             evictions: decode.evictions,
             peak_rss_bytes: peak_is_this_runs.then(peak_rss_bytes).flatten(),
         });
-        progress(done + 1, options.ram_budgets.len());
+        progress(done + 1, configurations.len());
     }
     Ok(runs)
 }
@@ -140,17 +168,21 @@ pub fn run_bench(
 /// The runs as CSV, one row each.
 pub fn to_csv(runs: &[BenchRun]) -> String {
     let mut out = String::from(
-        "backend,ram_budget_bytes,prefill_tokens_per_s,decode_tokens_per_s,ram_hit_rate,disk_bytes_per_token,io_wait_share,peak_rss_bytes\n",
+        "backend,vram_budget_bytes,ram_budget_bytes,prefill_tokens_per_s,decode_tokens_per_s,vram_hit_rate,ram_hit_rate,disk_bytes_per_token,upload_bytes_per_token,io_wait_share,peak_rss_bytes\n",
     );
+    let rate = |h: Option<f64>| h.map_or(String::new(), |h| format!("{h:.4}"));
     for r in runs {
         out.push_str(&format!(
-            "{},{},{:.4},{:.4},{},{:.0},{:.4},{}\n",
+            "{},{},{},{:.4},{:.4},{},{},{:.0},{:.0},{:.4},{}\n",
             r.backend,
+            r.vram_budget_bytes.map_or(String::new(), |b| b.to_string()),
             r.ram_budget_bytes,
             r.prefill_tokens_per_s,
             r.decode_tokens_per_s,
-            r.ram_hit_rate.map_or(String::new(), |h| format!("{h:.4}")),
+            rate(r.vram_hit_rate),
+            rate(r.ram_hit_rate),
             r.disk_bytes_per_token,
+            r.upload_bytes_per_token,
             r.io_wait_share,
             r.peak_rss_bytes.map_or(String::new(), |b| b.to_string()),
         ));
@@ -158,16 +190,30 @@ pub fn to_csv(runs: &[BenchRun]) -> String {
     out
 }
 
-/// An SVG of decode tokens/s and RAM hit rate against the RAM budget.
+/// An SVG of decode tokens/s and hit rate against the budget the runs sweep: VRAM when they
+/// sweep more than one VRAM budget, else RAM.
 pub fn plot_svg(runs: &[BenchRun], path: &Path) -> Result<()> {
     use plotters::prelude::*;
     let fail = |e: &dyn std::fmt::Display| Error::io(path, std::io::Error::other(e.to_string()));
+    let mut vram_budgets: Vec<u64> = runs.iter().filter_map(|r| r.vram_budget_bytes).collect();
+    vram_budgets.sort_unstable();
+    vram_budgets.dedup();
+    let (tier, budget_of, hit_rate_of): (&str, fn(&BenchRun) -> u64, fn(&BenchRun) -> Option<f64>) =
+        if vram_budgets.len() > 1 {
+            (
+                "VRAM",
+                |r| r.vram_budget_bytes.unwrap_or(0),
+                |r| r.vram_hit_rate,
+            )
+        } else {
+            ("RAM", |r| r.ram_budget_bytes, |r| r.ram_hit_rate)
+        };
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let max_budget = runs
         .iter()
-        .map(|r| gib(r.ram_budget_bytes))
+        .map(|r| gib(budget_of(r)))
         .fold(0.0, f64::max)
-        .max(1e-3);
+        .max(1e-9);
     let max_rate = runs
         .iter()
         .map(|r| r.decode_tokens_per_s)
@@ -177,7 +223,7 @@ pub fn plot_svg(runs: &[BenchRun], path: &Path) -> Result<()> {
     root.fill(&WHITE).map_err(|e| fail(&e))?;
     let mut chart = ChartBuilder::on(&root)
         .caption(
-            "decode speed and RAM hit rate vs RAM budget",
+            format!("decode speed and {tier} hit rate vs {tier} budget"),
             ("sans-serif", 20),
         )
         .margin(16)
@@ -189,25 +235,25 @@ pub fn plot_svg(runs: &[BenchRun], path: &Path) -> Result<()> {
         .set_secondary_coord(0.0..max_budget * 1.05, 0.0..1.05);
     chart
         .configure_mesh()
-        .x_desc("RAM budget (GiB)")
+        .x_desc(format!("{tier} budget (GiB)"))
         .y_desc("decode tokens/s")
         .draw()
         .map_err(|e| fail(&e))?;
     chart
         .configure_secondary_axes()
-        .y_desc("RAM hit rate")
+        .y_desc(format!("{tier} hit rate"))
         .draw()
         .map_err(|e| fail(&e))?;
     let mut runs: Vec<&BenchRun> = runs.iter().collect();
-    runs.sort_by_key(|r| r.ram_budget_bytes);
+    runs.sort_by_key(|r| budget_of(r));
     let speed: Vec<(f64, f64)> = runs
         .iter()
-        .map(|r| (gib(r.ram_budget_bytes), r.decode_tokens_per_s))
+        .map(|r| (gib(budget_of(r)), r.decode_tokens_per_s))
         .collect();
-    // Runs without RAM traffic (the GPU tier) have no hit rate to draw.
+    // Runs without expert requests have no hit rate to draw.
     let hits: Vec<(f64, f64)> = runs
         .iter()
-        .filter_map(|r| Some((gib(r.ram_budget_bytes), r.ram_hit_rate?)))
+        .filter_map(|r| Some((gib(budget_of(r)), hit_rate_of(r)?)))
         .collect();
     chart
         .draw_series(LineSeries::new(speed, &BLUE))
@@ -217,7 +263,7 @@ pub fn plot_svg(runs: &[BenchRun], path: &Path) -> Result<()> {
     chart
         .draw_secondary_series(LineSeries::new(hits, &RED))
         .map_err(|e| fail(&e))?
-        .label("RAM hit rate")
+        .label(format!("{tier} hit rate"))
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 16, y)], RED));
     chart
         .configure_series_labels()

@@ -154,7 +154,7 @@ enum Command {
         #[arg(long, default_value_t = picchio::synth::DEFAULT_SHARD_BYTES)]
         shard_bytes: u64,
     },
-    /// Measure prefill and decode speed, hit rates and bytes moved for each RAM budget.
+    /// Measure prefill and decode speed, hit rates and bytes moved for each VRAM and RAM budget.
     Bench {
         #[arg(long)]
         model: PathBuf,
@@ -163,6 +163,13 @@ enum Command {
         /// Expert cache budgets to sweep, comma-separated (bytes, N% or auto).
         #[arg(long, value_delimiter = ',', default_value = "auto")]
         ram_budgets: Vec<picchio::experts::RamBudget>,
+        /// GPU expert cache budgets to sweep, comma-separated (bytes, N% of the expert bytes, or
+        /// auto); each runs with every RAM budget. CPU runs ignore them.
+        #[arg(long, value_delimiter = ',', default_value = "auto")]
+        vram_budgets: Vec<picchio::experts::VramBudget>,
+        /// The GPU tier's miss policy for every run (auto, upload or cpu).
+        #[arg(long, default_value = "auto")]
+        miss_policy: picchio::model::gpu_tier::MissPolicy,
         #[arg(long, default_value_t = 64)]
         prompt_tokens: usize,
         #[arg(long, default_value_t = 32)]
@@ -345,6 +352,8 @@ fn run(cli: Cli) -> Result<()> {
             model,
             backend,
             ram_budgets,
+            vram_budgets,
+            miss_policy,
             prompt_tokens,
             gen_tokens,
             seed,
@@ -356,6 +365,8 @@ fn run(cli: Cli) -> Result<()> {
                 model,
                 backend: backend.into(),
                 ram_budgets,
+                vram_budgets,
+                miss_policy,
                 prompt_tokens,
                 gen_tokens,
                 seed,
@@ -611,26 +622,32 @@ fn bench(
         return Ok(());
     }
     println!(
-        "{:<8} {:>14} {:>10} {:>10} {:>9} {:>14} {:>8} {:>10}",
+        "{:<8} {:>11} {:>11} {:>10} {:>10} {:>9} {:>9} {:>14} {:>14} {:>8} {:>10}",
         "backend",
+        "vram budget",
         "ram budget",
         "prefill/s",
         "decode/s",
+        "vram hits",
         "ram hits",
         "disk B/token",
+        "upload B/tok",
         "io wait",
         "peak RSS"
     );
+    let percent = |h: Option<f64>| h.map_or("-".to_string(), |h| format!("{:.1}%", h * 100.0));
     for r in &runs {
         println!(
-            "{:<8} {:>14} {:>10.2} {:>10.2} {:>9} {:>14.0} {:>7.1}% {:>10}",
+            "{:<8} {:>11} {:>11} {:>10.2} {:>10.2} {:>9} {:>9} {:>14.0} {:>14.0} {:>7.1}% {:>10}",
             r.backend,
+            r.vram_budget_bytes.map_or("-".to_string(), human_short),
             human_short(r.ram_budget_bytes),
             r.prefill_tokens_per_s,
             r.decode_tokens_per_s,
-            r.ram_hit_rate
-                .map_or("-".to_string(), |h| format!("{:.1}%", h * 100.0)),
+            percent(r.vram_hit_rate),
+            percent(r.ram_hit_rate),
             r.disk_bytes_per_token,
+            r.upload_bytes_per_token,
             r.io_wait_share * 100.0,
             r.peak_rss_bytes.map_or("-".to_string(), human_short),
         );

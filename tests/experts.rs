@@ -80,6 +80,8 @@ fn bench_sweeps_budgets_and_writes_csv_and_plot() {
         model: dir.path().to_path_buf(),
         backend: BackendChoice::Cpu,
         ram_budgets: vec![RamBudget::Bytes(0), RamBudget::Percent(100.0)],
+        vram_budgets: vec![RamBudget::Bytes(0), RamBudget::Auto], // ignored on the CPU tier
+        miss_policy: Default::default(),
         prompt_tokens: 8,
         gen_tokens: 6,
         seed: 3,

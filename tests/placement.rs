@@ -179,3 +179,45 @@ fn prompt_blocks_with_a_vram_cache_give_the_same_tokens() {
         assert!(session.gpu_counters().unwrap().readbacks > 0);
     }
 }
+
+#[test]
+fn bench_sweeps_vram_budgets() {
+    use picchio::bench::{BenchOptions, plot_svg, run_bench, to_csv};
+    use picchio::model::generate::BackendChoice;
+    if gpu(None).is_none() {
+        return;
+    }
+    // A copy: bench saves expert usage beside the model.
+    let dir = copy_fixture("tiny-long");
+    let options = BenchOptions {
+        model: dir.path().to_path_buf(),
+        backend: BackendChoice::Gpu,
+        ram_budgets: vec![RamBudget::Percent(100.0)],
+        vram_budgets: vec![VramBudget::Bytes(0), VramBudget::Percent(100.0)],
+        miss_policy: MissPolicy::Auto,
+        prompt_tokens: 8,
+        gen_tokens: 6,
+        seed: 3,
+    };
+    let runs = run_bench(&options, &mut |_, _| {}).unwrap();
+    assert_eq!(runs.len(), 2);
+    assert!(runs.iter().all(|r| r.backend == "gpu"));
+    // No VRAM cache: every expert runs on the CPU from RAM; all resident: every one is a hit.
+    assert_eq!(runs[0].vram_budget_bytes, Some(0));
+    assert_eq!(runs[0].vram_hit_rate, Some(0.0));
+    assert_eq!(runs[0].upload_bytes_per_token, 0.0);
+    assert_eq!(runs[1].vram_hit_rate, Some(1.0));
+    assert_eq!(
+        (runs[1].disk_bytes_per_token, runs[1].upload_bytes_per_token),
+        (0.0, 0.0)
+    );
+    assert_eq!(to_csv(&runs).lines().count(), 3);
+    let out = tempfile::tempdir().unwrap();
+    let svg = out.path().join("vram.svg");
+    plot_svg(&runs, &svg).unwrap();
+    assert!(
+        std::fs::read_to_string(&svg)
+            .unwrap()
+            .contains("VRAM budget")
+    );
+}
