@@ -198,16 +198,22 @@ pub fn plot_svg(runs: &[BenchRun], path: &Path) -> Result<()> {
     let mut vram_budgets: Vec<u64> = runs.iter().filter_map(|r| r.vram_budget_bytes).collect();
     vram_budgets.sort_unstable();
     vram_budgets.dedup();
-    let (tier, budget_of, hit_rate_of): (&str, fn(&BenchRun) -> u64, fn(&BenchRun) -> Option<f64>) =
-        if vram_budgets.len() > 1 {
-            (
-                "VRAM",
-                |r| r.vram_budget_bytes.unwrap_or(0),
-                |r| r.vram_hit_rate,
-            )
+    let vram = vram_budgets.len() > 1;
+    let tier = if vram { "VRAM" } else { "RAM" };
+    let budget_of = |r: &BenchRun| {
+        if vram {
+            r.vram_budget_bytes.unwrap_or(0)
         } else {
-            ("RAM", |r| r.ram_budget_bytes, |r| r.ram_hit_rate)
-        };
+            r.ram_budget_bytes
+        }
+    };
+    let hit_rate_of = |r: &BenchRun| {
+        if vram {
+            r.vram_hit_rate
+        } else {
+            r.ram_hit_rate
+        }
+    };
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let max_budget = runs
         .iter()
