@@ -281,13 +281,21 @@ fn good_input_still_works_through_the_cli() {
             .as_u64()
             .unwrap_or_else(|| panic!("stats.experts.{key}: {v}"))
     };
-    assert_eq!(n("requests"), n("ram_hits") + n("disk_reads"));
+    assert_eq!(
+        n("requests"),
+        n("vram_hits") + n("ram_hits") + n("disk_reads")
+    );
     assert_eq!(
         (n("ram_hits"), n("evictions"), n("ram_budget_bytes")),
         (0, 0, 0)
     );
+    assert_eq!(
+        (n("vram_hits"), n("upload_bytes"), n("vram_evictions")),
+        (0, 0, 0)
+    );
+    assert_eq!(n("disk_bytes"), n("disk_reads") * n("expert_record_bytes"));
     assert!(n("disk_bytes") > 0);
-    for key in ["attention", "experts", "io_wait", "head"] {
+    for key in ["attention", "experts", "io_wait", "upload", "head"] {
         assert!(
             v["stats"]["time_ms"][key].as_f64().is_some(),
             "time_ms.{key}: {v}"
@@ -295,6 +303,16 @@ fn good_input_still_works_through_the_cli() {
     }
     assert_eq!(v["stats"]["placement"].as_array().unwrap().len(), 4);
     assert!(v["stats"]["gpu"].is_null());
+
+    // Budgets and policies that do not parse are refused before anything runs.
+    for (flag, value) in [
+        ("--vram-budget", "12X"),
+        ("--vram-budget", "150%"),
+        ("--miss-policy", "sideways"),
+    ] {
+        let (ok, _, stderr) = picchio(&["generate", "--model", d, "--ids", "1", flag, value]);
+        assert!(!ok && stderr.contains(value), "{flag} {value}: {stderr}");
+    }
 }
 
 #[test]
