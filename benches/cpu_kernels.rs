@@ -38,13 +38,12 @@ fn mxfp4_expert(rows: usize, cols: usize) -> Mxfp4Experts {
         .iter()
         .map(|b| 118 + b % 4)
         .collect();
-    Mxfp4Experts {
-        experts: 1,
-        rows,
-        cols,
-        blocks: TensorBytes::from_vec(random_bytes(rows * groups * 16, 5)),
-        scales: TensorBytes::from_vec(scales),
-    }
+    Mxfp4Experts::contiguous(
+        1,
+        (rows, cols),
+        TensorBytes::from_vec(random_bytes(rows * groups * 16, 5)),
+        TensorBytes::from_vec(scales),
+    )
 }
 
 fn input(len: usize) -> Vec<f32> {

@@ -65,6 +65,9 @@ pub enum Error {
 
     #[error("unsupported checkpoint: {0}")]
     Unsupported(String),
+
+    #[error("{path}: {message}")]
+    Format { path: PathBuf, message: String },
 }
 
 impl Error {

@@ -12,9 +12,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::error::{Error, Result};
+use crate::flat_store::{FlatExperts, FlatFormat, ProjectionLayout, Span};
 use crate::weights::{
-    Checkpoint, DenseExperts, ExpertMatrices, FloatFormat, ModelWeights, Mxfp4Experts, TensorBytes,
-    TensorEntry,
+    Checkpoint, DenseExperts, ExpertMatrices, FloatFormat, Int4Experts, ModelWeights, Mxfp4Experts,
+    TensorBytes, TensorEntry,
 };
 
 /// One (layer, expert).
@@ -24,22 +25,25 @@ pub struct ExpertKey {
     pub expert: usize,
 }
 
-/// A byte range of a shard file.
+/// A byte range of expert 0 in a file; expert e's is `e * stride` bytes further.
 #[derive(Debug, Clone, Copy)]
 struct Part {
-    shard: usize,
+    file: usize,
     offset: u64,
     len: usize,
+    stride: u64,
 }
 
-/// Where expert 0 of one projection lives; expert e is `e * len` bytes further.
+/// Where one projection's experts live.
 #[derive(Debug, Clone, Copy)]
 enum Projection {
-    Mxfp4 {
-        blocks: Part,
+    /// MXFP4 (or, from a converted store, INT4) weights and scales.
+    Packed {
+        weights: Part,
         scales: Part,
         rows: usize,
         cols: usize,
+        int4: bool,
     },
     Dense {
         weights: Part,
@@ -52,30 +56,37 @@ enum Projection {
 impl Projection {
     fn parts(&self) -> Vec<Part> {
         match *self {
-            Projection::Mxfp4 { blocks, scales, .. } => vec![blocks, scales],
+            Projection::Packed {
+                weights, scales, ..
+            } => vec![weights, scales],
             Projection::Dense { weights, .. } => vec![weights],
         }
     }
 
-    /// Builds the one-expert matrices over `buffer[start..]`, returning the end.
-    fn view(&self, buffer: &Arc<Vec<u8>>, start: usize) -> (ExpertMatrices, usize) {
+    /// Builds the one-expert matrices over bytes `start..` of a read (`bytes(range)` views
+    /// them), returning the end.
+    fn view(
+        &self,
+        bytes: &dyn Fn(std::ops::Range<usize>) -> TensorBytes,
+        start: usize,
+    ) -> (ExpertMatrices, usize) {
         match *self {
-            Projection::Mxfp4 {
-                blocks,
+            Projection::Packed {
+                weights,
                 scales,
                 rows,
                 cols,
+                int4,
             } => {
-                let scales_start = start + blocks.len;
+                let scales_start = start + weights.len;
                 let end = scales_start + scales.len;
-                let m = Mxfp4Experts {
-                    experts: 1,
-                    rows,
-                    cols,
-                    blocks: TensorBytes::shared(buffer.clone(), start..scales_start),
-                    scales: TensorBytes::shared(buffer.clone(), scales_start..end),
+                let (w, s) = (bytes(start..scales_start), bytes(scales_start..end));
+                let m = if int4 {
+                    ExpertMatrices::Int4(Int4Experts::contiguous(1, (rows, cols), w, s))
+                } else {
+                    ExpertMatrices::Mxfp4(Mxfp4Experts::contiguous(1, (rows, cols), w, s))
                 };
-                (ExpertMatrices::Mxfp4(m), end)
+                (m, end)
             }
             Projection::Dense {
                 weights,
@@ -89,7 +100,7 @@ impl Projection {
                     inputs,
                     outputs,
                     format,
-                    data: TensorBytes::shared(buffer.clone(), start..end),
+                    data: bytes(start..end),
                 };
                 (ExpertMatrices::Dense(d), end)
             }
@@ -248,30 +259,106 @@ pub fn available_memory_bytes() -> Option<u64> {
 struct Shared {
     files: Vec<(PathBuf, File)>,
     layers: Vec<(Projection, Projection)>,
+    /// Reads bypass the page cache (O_DIRECT): one page-aligned read per expert.
+    direct: bool,
+}
+
+/// Views of one read's bytes by range.
+type ViewOf = Box<dyn Fn(std::ops::Range<usize>) -> TensorBytes>;
+
+/// Parts that follow each other in the same file, as one read.
+fn coalesce(parts: &[Part]) -> Vec<Part> {
+    let mut reads: Vec<Part> = Vec::new();
+    for &part in parts {
+        match reads.last_mut() {
+            Some(last)
+                if last.file == part.file
+                    && last.stride == part.stride
+                    && last.offset + last.len as u64 == part.offset =>
+            {
+                last.len += part.len;
+            }
+            _ => reads.push(part),
+        }
+    }
+    reads
 }
 
 impl Shared {
     fn read(&self, key: ExpertKey) -> Result<ExpertData> {
         let (gate_up, down) = &self.layers[key.layer];
         let parts: Vec<Part> = gate_up.parts().into_iter().chain(down.parts()).collect();
+        let reads = coalesce(&parts);
         let total: usize = parts.iter().map(|p| p.len).sum();
-        let mut buffer = vec![0u8; total];
-        let mut at = 0;
-        for part in parts {
-            let (path, file) = &self.files[part.shard];
-            let offset = part.offset + (key.expert * part.len) as u64;
-            read_exact_at(file, &mut buffer[at..at + part.len], offset)
+        let at = |part: &Part| part.offset + key.expert as u64 * part.stride;
+        let (bytes, read): (ViewOf, usize) = if self.direct {
+            // A converted store: one record, page-aligned, read whole pages at once.
+            let [part] = reads.as_slice() else {
+                return Err(Error::Unsupported(
+                    "--direct-io reads converted expert stores (picchio convert)".into(),
+                ));
+            };
+            let pages = part.len.div_ceil(4096);
+            let mut buffer = vec![crate::weights::Page([0; 4096]); pages];
+            let (path, file) = &self.files[part.file];
+            read_exact_at(file, crate::weights::page_bytes_mut(&mut buffer), at(part))
                 .map_err(|e| Error::io(path, e))?;
-            at += part.len;
-        }
-        let buffer = Arc::new(buffer); // no copy: the views share it
-        let (gate_up, end) = gate_up.view(&buffer, 0);
-        let (down, _) = down.view(&buffer, end);
+            let buffer = Arc::new(buffer);
+            (
+                Box::new(move |r| TensorBytes::paged(buffer.clone(), r)),
+                pages * 4096,
+            )
+        } else {
+            let mut buffer = vec![0u8; total];
+            let mut filled = 0;
+            for part in &reads {
+                let (path, file) = &self.files[part.file];
+                read_exact_at(file, &mut buffer[filled..filled + part.len], at(part))
+                    .map_err(|e| Error::io(path, e))?;
+                filled += part.len;
+            }
+            let buffer = Arc::new(buffer); // no copy: the views share it
+            (
+                Box::new(move |r| TensorBytes::shared(buffer.clone(), r)),
+                total,
+            )
+        };
+        let (gate_up, end) = gate_up.view(&*bytes, 0);
+        let (down, _) = down.view(&*bytes, end);
         Ok(ExpertData {
             gate_up,
             down,
-            bytes: total,
+            bytes: read,
         })
+    }
+}
+
+/// Opens `path` for reads that bypass the page cache.
+fn open_direct(path: &std::path::Path) -> std::io::Result<File> {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+    }
+    #[cfg(target_os = "macos")]
+    {
+        use std::os::fd::AsRawFd;
+        let file = File::open(path)?;
+        // Safety: F_NOCACHE on a descriptor this function owns; no memory is passed.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_NOCACHE, 1) } == -1 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(file)
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "macos")))]
+    {
+        let _ = path;
+        Err(std::io::Error::other(
+            "direct IO is supported on Linux and macOS",
+        ))
     }
 }
 
@@ -320,6 +407,20 @@ struct Usage {
 
 type Reply = flume::Sender<Result<Arc<ExpertData>>>;
 
+/// How the store reads.
+#[derive(Debug, Clone, Copy)]
+pub struct StoreOptions {
+    /// Threads reading experts.
+    pub io_threads: usize,
+    /// Pin the most used experts of earlier runs (`USAGE_FILE`) and save this run's usage.
+    pub hot_experts: bool,
+    /// Read a converted store with O_DIRECT (F_NOCACHE on macOS): no page-cache copy.
+    pub direct_io: bool,
+}
+
+/// The files a store reads and where each layer's projections sit in them.
+type StoreLayout = (Vec<(PathBuf, File)>, Vec<(Projection, Projection)>);
+
 /// An expert asked for: in RAM already, or being read by an IO thread.
 pub struct Pending(PendingState);
 
@@ -346,70 +447,40 @@ pub struct ExpertStore {
 }
 
 impl ExpertStore {
-    /// Maps where every expert lives and starts `io_threads` readers. `weights` must come from
-    /// `ck` (it was validated against the config).
+    /// Maps where every expert lives (the checkpoint's tensors, or a converted store's records)
+    /// and starts `io_threads` readers. `weights` must come from `ck` (it was validated against
+    /// the config). `direct_io` reads a converted store past the page cache.
     pub fn open(
         ck: &Checkpoint,
         weights: &ModelWeights,
         budget: RamBudget,
-        io_threads: usize,
-        hot_experts: bool,
+        options: StoreOptions,
     ) -> Result<ExpertStore> {
-        let files = ck
-            .shard_paths()
-            .map(|p| {
-                File::open(p)
-                    .map(|f| (p.to_path_buf(), f))
-                    .map_err(|e| Error::io(p, e))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let entry = |name: String| -> Result<&TensorEntry> {
-            ck.get(&name).ok_or_else(|| Error::MissingTensor {
-                name,
-                dir: ck.dir().to_path_buf(),
-            })
+        let StoreOptions {
+            io_threads,
+            hot_experts,
+            direct_io,
+        } = options;
+        let (files, layers) = match &weights.flat {
+            Some(flat) => Self::flat_layout(flat, direct_io)?,
+            None if direct_io => {
+                return Err(Error::InvalidArgument(format!(
+                    "--direct-io reads converted expert stores; {} is a checkpoint (convert it with picchio convert)",
+                    ck.dir().display()
+                )));
+            }
+            None => Self::checkpoint_layout(ck, weights)?,
         };
-        let part = |e: &TensorEntry, experts: usize| Part {
-            shard: e.shard,
-            offset: e.range.start as u64,
-            len: e.range.len() / experts,
+        let record = |(g, d): &(Projection, Projection)| -> u64 {
+            let parts: Vec<Part> = g.parts().into_iter().chain(d.parts()).collect();
+            let len: u64 = parts.iter().map(|p| p.len as u64).sum();
+            if direct_io {
+                len.div_ceil(4096) * 4096
+            } else {
+                len
+            }
         };
-        let mut layers = Vec::with_capacity(weights.layers.len());
-        for (l, w) in weights.layers.iter().enumerate() {
-            let projection = |name: &str, m: &ExpertMatrices| -> Result<Projection> {
-                let prefix = format!("model.layers.{l}.mlp.experts.{name}");
-                Ok(match m {
-                    ExpertMatrices::Mxfp4(x) => Projection::Mxfp4 {
-                        blocks: part(entry(format!("{prefix}_blocks"))?, x.experts),
-                        scales: part(entry(format!("{prefix}_scales"))?, x.experts),
-                        rows: x.rows,
-                        cols: x.cols,
-                    },
-                    ExpertMatrices::Dense(d) => Projection::Dense {
-                        weights: part(entry(prefix)?, d.experts),
-                        inputs: d.inputs,
-                        outputs: d.outputs,
-                        format: d.format,
-                    },
-                    ExpertMatrices::Int4(_) => {
-                        return Err(Error::Unsupported(
-                            "INT4 experts come from converted stores".into(),
-                        ));
-                    }
-                })
-            };
-            layers.push((
-                projection("gate_up_proj", &w.gate_up)?,
-                projection("down_proj", &w.down)?,
-            ));
-        }
-        let expert_bytes = layers.first().map_or(0, |(g, d)| {
-            g.parts()
-                .iter()
-                .chain(&d.parts())
-                .map(|p| p.len as u64)
-                .sum()
-        });
+        let expert_bytes = layers.first().map_or(0, record);
         let total_expert_bytes = expert_bytes
             * (weights.layers.len() * weights.layers.first().map_or(0, |l| l.gate_up.experts()))
                 as u64;
@@ -426,7 +497,11 @@ impl ExpertStore {
                     .min(total_expert_bytes)
             }
         };
-        let shared = Arc::new(Shared { files, layers });
+        let shared = Arc::new(Shared {
+            files,
+            layers,
+            direct: direct_io,
+        });
         let (jobs, queue) = flume::unbounded::<(ExpertKey, Reply)>();
         for n in 0..io_threads.max(1) {
             let shared = shared.clone();
@@ -463,6 +538,97 @@ impl ExpertStore {
             pinning_started: std::sync::atomic::AtomicBool::new(!hot_experts),
         };
         Ok(store)
+    }
+
+    /// The checkpoint's expert tensors: expert e at `e * len` bytes into each.
+    fn checkpoint_layout(ck: &Checkpoint, weights: &ModelWeights) -> Result<StoreLayout> {
+        let files = ck
+            .shard_paths()
+            .map(|p| {
+                File::open(p)
+                    .map(|f| (p.to_path_buf(), f))
+                    .map_err(|e| Error::io(p, e))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let entry = |name: String| -> Result<&TensorEntry> {
+            ck.get(&name).ok_or_else(|| Error::MissingTensor {
+                name,
+                dir: ck.dir().to_path_buf(),
+            })
+        };
+        let part = |e: &TensorEntry, experts: usize| {
+            let len = e.range.len() / experts;
+            Part {
+                file: e.shard,
+                offset: e.range.start as u64,
+                len,
+                stride: len as u64,
+            }
+        };
+        let mut layers = Vec::with_capacity(weights.layers.len());
+        for (l, w) in weights.layers.iter().enumerate() {
+            let projection = |name: &str, m: &ExpertMatrices| -> Result<Projection> {
+                let prefix = format!("model.layers.{l}.mlp.experts.{name}");
+                Ok(match m {
+                    ExpertMatrices::Mxfp4(x) => Projection::Packed {
+                        weights: part(entry(format!("{prefix}_blocks"))?, x.experts),
+                        scales: part(entry(format!("{prefix}_scales"))?, x.experts),
+                        rows: x.rows,
+                        cols: x.cols,
+                        int4: false,
+                    },
+                    ExpertMatrices::Dense(d) => Projection::Dense {
+                        weights: part(entry(prefix)?, d.experts),
+                        inputs: d.inputs,
+                        outputs: d.outputs,
+                        format: d.format,
+                    },
+                    ExpertMatrices::Int4(_) => {
+                        return Err(Error::Unsupported(
+                            "INT4 experts come from converted stores".into(),
+                        ));
+                    }
+                })
+            };
+            layers.push((
+                projection("gate_up_proj", &w.gate_up)?,
+                projection("down_proj", &w.down)?,
+            ));
+        }
+        Ok((files, layers))
+    }
+
+    /// A converted store's records: one file, expert e of layer l at record `l * E + e`.
+    fn flat_layout(flat: &FlatExperts, direct_io: bool) -> Result<StoreLayout> {
+        let path = flat.records_path.clone();
+        let file = if direct_io {
+            open_direct(&path)
+        } else {
+            File::open(&path)
+        }
+        .map_err(|e| Error::io(&path, e))?;
+        let index = &flat.index;
+        let int4 = index.experts_format == FlatFormat::Int4;
+        let layers = (0..index.layers)
+            .map(|l| {
+                let base = index.record_offset(l, 0);
+                let part = |span: Span| Part {
+                    file: 0,
+                    offset: base + span.offset as u64,
+                    len: span.len,
+                    stride: index.record_stride as u64,
+                };
+                let projection = |p: ProjectionLayout| Projection::Packed {
+                    weights: part(p.weights),
+                    scales: part(p.scales),
+                    rows: p.rows,
+                    cols: p.cols,
+                    int4,
+                };
+                (projection(index.gate_up), projection(index.down))
+            })
+            .collect();
+        Ok((vec![(path, file)], layers))
     }
 
     fn saved_usage(&self) -> Option<Usage> {

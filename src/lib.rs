@@ -6,6 +6,8 @@
 //! - [`cpu`]: the CPU tier's kernels, the reference for every other tier.
 //! - [`gpu`]: the GPU tier's device, pipelines and kernels (wgpu + WGSL).
 //! - [`model`]: the forward passes (CPU and GPU tiers), KV cache, sampler and generation loop.
+//! - [`experts`]: the expert store (disk -> RAM LRU, read by IO threads).
+//! - [`flat_store`]: converted expert stores (`picchio convert`): aligned records, MXFP4 or INT4.
 //! - [`synth`]: random checkpoints in the real layout, for benchmarks.
 
 pub mod bench;
@@ -13,6 +15,7 @@ pub mod config;
 pub mod cpu;
 pub mod error;
 pub mod experts;
+pub mod flat_store;
 pub mod gpu;
 pub mod model;
 pub mod synth;

@@ -85,6 +85,10 @@ struct PromptArgs {
     /// cpu (compute on the CPU unless a slot is free).
     #[arg(long, default_value = "auto", value_name = "auto|upload|cpu")]
     miss_policy: picchio::model::gpu_tier::MissPolicy,
+    /// Read experts past the page cache (O_DIRECT; F_NOCACHE on macOS): a converted expert store
+    /// only (picchio convert).
+    #[arg(long)]
+    direct_io: bool,
 }
 
 impl PromptArgs {
@@ -103,6 +107,7 @@ impl PromptArgs {
         let options = picchio::model::ModelOptions {
             ram_budget: self.ram_budget,
             hot_experts: true,
+            direct_io: self.direct_io,
             ..Default::default()
         };
         // Load errors name the file and tensor already.
@@ -186,6 +191,24 @@ enum Command {
         /// Also write an SVG plot of decode tokens/s and hit rate against the budget here.
         #[arg(long)]
         plot: Option<PathBuf>,
+    },
+    /// Write a converted copy of a checkpoint: the dense tensors as model.safetensors and every
+    /// expert as one 4 KiB-aligned record of experts.bin, indexed with hashes in experts.json.
+    Convert {
+        #[arg(long)]
+        model: PathBuf,
+        /// Directory to write (new or empty).
+        #[arg(long)]
+        out: PathBuf,
+        /// mxfp4: the checkpoint's MXFP4 bytes, bit for bit; int4: group-scaled INT4 (32 inputs
+        /// per f16 scale), quantized from the exact weights (lossy).
+        #[arg(long, default_value = "mxfp4", value_name = "mxfp4|int4")]
+        experts: picchio::flat_store::FlatFormat,
+    },
+    /// Check a converted expert store's records against the hashes of its index.
+    Verify {
+        #[arg(long)]
+        model: PathBuf,
     },
     /// List the GPU adapters wgpu finds (best first), with backend, type, driver, limits and features.
     Devices {
@@ -379,6 +402,12 @@ fn run(cli: Cli) -> Result<()> {
             seed,
             shard_bytes,
         } => synth(shape, out, seed, shard_bytes),
+        Command::Convert {
+            model,
+            out,
+            experts,
+        } => convert(&model, &out, experts),
+        Command::Verify { model } => verify(&model),
     }
 }
 
@@ -597,6 +626,51 @@ fn synth(shape: ShapeArg, out: PathBuf, seed: u64, shard_bytes: u64) -> Result<(
     for (path, bytes) in &report.shards {
         println!("{}\t{bytes}", path.display());
     }
+    Ok(())
+}
+
+fn convert(
+    model: &std::path::Path,
+    out: &std::path::Path,
+    format: picchio::flat_store::FlatFormat,
+) -> Result<()> {
+    let config = picchio::Config::load(model)?;
+    let bar = indicatif::ProgressBar::new((config.num_layers * config.num_experts) as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{bar:40} {pos}/{len} experts eta {eta}")
+            .expect("a valid template"),
+    );
+    let started = std::time::Instant::now();
+    let report = picchio::flat_store::convert(model, out, format, &|n| bar.inc(n))?;
+    bar.finish_and_clear();
+    log::info!(
+        "wrote {} dense tensors ({}) and {} {:?} expert records of {} bytes ({}) to {} in {:.1} s",
+        report.dense_tensors,
+        human(report.dense_bytes as usize),
+        report.index.hashes.len(),
+        report.index.experts_format,
+        report.index.record_stride,
+        human(report.records_bytes as usize),
+        out.display(),
+        started.elapsed().as_secs_f64()
+    );
+    for name in ["model.safetensors", "experts.bin", "experts.json"] {
+        println!("{}", out.join(name).display());
+    }
+    Ok(())
+}
+
+fn verify(model: &std::path::Path) -> Result<()> {
+    let config = picchio::Config::load(model)?;
+    let Some(store) = picchio::flat_store::FlatExperts::open(model, &config)? else {
+        bail!(
+            "{} has no converted expert store ({}); picchio convert writes one",
+            model.display(),
+            picchio::flat_store::INDEX_FILE
+        );
+    };
+    store.verify()?;
+    println!("{} records match their hashes", store.index.hashes.len());
     Ok(())
 }
 

@@ -258,20 +258,26 @@ pub fn planned_bytes(shape: SynthShape) -> Result<u64> {
 }
 
 /// Writes the checkpoint; `progress(bytes)` is called as tensor data is written.
-pub fn synthesize(options: &SynthOptions, progress: &(dyn Fn(u64) + Sync)) -> Result<SynthReport> {
-    let text = options.shape.config_text();
-    let cfg = Config::from_json(text, Path::new("config.json"))?;
-    let out = &options.out;
-    // Old shards, index or usage file beside new ones would mix two checkpoints.
+/// Refuses an output directory that holds anything: old shards, an index or a usage file beside
+/// new ones would mix two checkpoints.
+pub fn require_empty_dir(out: &Path) -> Result<()> {
     if out
         .read_dir()
         .is_ok_and(|mut entries| entries.next().is_some())
     {
         return Err(Error::InvalidArgument(format!(
-            "{} is not empty: synth writes a new checkpoint into a new or empty directory",
+            "{} is not empty: write a new checkpoint into a new or empty directory",
             out.display()
         )));
     }
+    Ok(())
+}
+
+pub fn synthesize(options: &SynthOptions, progress: &(dyn Fn(u64) + Sync)) -> Result<SynthReport> {
+    let text = options.shape.config_text();
+    let cfg = Config::from_json(text, Path::new("config.json"))?;
+    let out = &options.out;
+    require_empty_dir(out)?;
     std::fs::create_dir_all(out).map_err(io(out))?;
     let config_path = out.join("config.json");
     std::fs::write(&config_path, text).map_err(io(&config_path))?;

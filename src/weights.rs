@@ -51,6 +51,25 @@ pub struct TensorBytes {
 enum Backing {
     Mapped(Arc<Mmap>),
     Owned(Arc<Vec<u8>>),
+    Pages(Arc<Vec<Page>>),
+}
+
+/// 4 KiB aligned to 4 KiB: the unit of buffers that O_DIRECT reads into.
+#[derive(Clone, Copy)]
+#[repr(C, align(4096))]
+pub struct Page(pub [u8; 4096]);
+
+/// The bytes of `pages`, in order.
+pub fn page_bytes(pages: &[Page]) -> &[u8] {
+    // Safety: `Page` is `repr(C)` around a byte array whose size equals its alignment, so the
+    // pages are contiguous bytes with no padding, valid for the slice's lifetime.
+    unsafe { std::slice::from_raw_parts(pages.as_ptr().cast::<u8>(), pages.len() * 4096) }
+}
+
+/// Mutable view of the bytes of `pages`.
+pub fn page_bytes_mut(pages: &mut [Page]) -> &mut [u8] {
+    // Safety: as in `page_bytes`; the exclusive borrow makes the view the only one.
+    unsafe { std::slice::from_raw_parts_mut(pages.as_mut_ptr().cast::<u8>(), pages.len() * 4096) }
 }
 
 impl TensorBytes {
@@ -58,6 +77,23 @@ impl TensorBytes {
         match &self.backing {
             Backing::Mapped(map) => &map[self.range.clone()],
             Backing::Owned(buffer) => &buffer[self.range.clone()],
+            Backing::Pages(pages) => &page_bytes(pages)[self.range.clone()],
+        }
+    }
+
+    /// A range of a mapped file.
+    pub fn mapped(map: Arc<Mmap>, range: Range<usize>) -> TensorBytes {
+        TensorBytes {
+            backing: Backing::Mapped(map),
+            range,
+        }
+    }
+
+    /// A range of a page-aligned buffer (an O_DIRECT read).
+    pub fn paged(pages: Arc<Vec<Page>>, range: Range<usize>) -> TensorBytes {
+        TensorBytes {
+            backing: Backing::Pages(pages),
+            range,
         }
     }
 
@@ -339,6 +375,24 @@ impl DenseMatrix {
     }
 }
 
+/// Where consecutive experts start in a weights or scales buffer: one after the other, as a
+/// checkpoint's `[E, ...]` tensor holds them, or every `stride` bytes, as the records of a
+/// converted expert store do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExpertStride {
+    Contiguous,
+    Bytes(usize),
+}
+
+impl ExpertStride {
+    fn of(self, expert_bytes: usize) -> usize {
+        match self {
+            ExpertStride::Contiguous => expert_bytes,
+            ExpertStride::Bytes(b) => b,
+        }
+    }
+}
+
 /// MXFP4 weights of all experts of one projection: `blocks [E, R, C/32, 16]`,
 /// `scales [E, R, C/32]` (E8M0), i.e. `E` matrices of `[R, C]`.
 #[derive(Debug, Clone)]
@@ -348,16 +402,49 @@ pub struct Mxfp4Experts {
     pub cols: usize,
     pub blocks: TensorBytes,
     pub scales: TensorBytes,
+    pub stride: ExpertStride,
+}
+
+/// The packed bytes and the scale bytes of row `r` of expert `e`, for 4-bit experts with
+/// `scale_size` bytes per 32 inputs.
+fn packed_row<'a>(
+    (rows, cols, stride): (usize, usize, ExpertStride),
+    (packed, scales, scale_size): (&'a TensorBytes, &'a TensorBytes, usize),
+    e: usize,
+    r: usize,
+) -> (&'a [u8], &'a [u8]) {
+    let groups = cols / 32;
+    let (row_bytes, row_scales) = (groups * 16, groups * scale_size);
+    let w0 = e * stride.of(rows * row_bytes) + r * row_bytes;
+    let s0 = e * stride.of(rows * row_scales) + r * row_scales;
+    (
+        &packed.bytes()[w0..w0 + row_bytes],
+        &scales.bytes()[s0..s0 + row_scales],
+    )
 }
 
 impl Mxfp4Experts {
+    /// Experts stored one after the other (a checkpoint's `[E, ...]` tensors).
+    pub fn contiguous(
+        experts: usize,
+        (rows, cols): (usize, usize),
+        blocks: TensorBytes,
+        scales: TensorBytes,
+    ) -> Mxfp4Experts {
+        Mxfp4Experts {
+            experts,
+            rows,
+            cols,
+            blocks,
+            scales,
+            stride: ExpertStride::Contiguous,
+        }
+    }
+
     /// The packed bytes and scales of row `r` of expert `e`.
     pub fn row(&self, e: usize, r: usize) -> (&[u8], &[u8]) {
-        let groups = self.cols / 32;
-        let row_index = e * self.rows + r;
-        let blocks = &self.blocks.bytes()[row_index * groups * 16..(row_index + 1) * groups * 16];
-        let scales = &self.scales.bytes()[row_index * groups..(row_index + 1) * groups];
-        (blocks, scales)
+        let shape = (self.rows, self.cols, self.stride);
+        packed_row(shape, (&self.blocks, &self.scales, 1), e, r)
     }
 }
 
@@ -371,16 +458,31 @@ pub struct Int4Experts {
     pub cols: usize,
     pub qweight: TensorBytes,
     pub scales: TensorBytes,
+    pub stride: ExpertStride,
 }
 
 impl Int4Experts {
+    /// Experts stored one after the other.
+    pub fn contiguous(
+        experts: usize,
+        (rows, cols): (usize, usize),
+        qweight: TensorBytes,
+        scales: TensorBytes,
+    ) -> Int4Experts {
+        Int4Experts {
+            experts,
+            rows,
+            cols,
+            qweight,
+            scales,
+            stride: ExpertStride::Contiguous,
+        }
+    }
+
     /// The packed bytes and f16 scale bytes of row `r` of expert `e`.
     pub fn row(&self, e: usize, r: usize) -> (&[u8], &[u8]) {
-        let groups = self.cols / 32;
-        let row_index = e * self.rows + r;
-        let q = &self.qweight.bytes()[row_index * groups * 16..(row_index + 1) * groups * 16];
-        let s = &self.scales.bytes()[row_index * groups * 2..(row_index + 1) * groups * 2];
-        (q, s)
+        let shape = (self.rows, self.cols, self.stride);
+        packed_row(shape, (&self.qweight, &self.scales, 2), e, r)
     }
 }
 
@@ -464,6 +566,9 @@ pub struct ModelWeights {
     pub layers: Vec<LayerWeights>,
     pub final_norm: Vec<f32>,
     pub lm_head: DenseMatrix,
+    /// The converted expert store the experts come from, when the directory has one
+    /// (`picchio convert`); else they are the checkpoint's tensors.
+    pub flat: Option<Arc<crate::flat_store::FlatExperts>>,
 }
 
 /// What a tensor is, for `inspect` and byte accounting.
@@ -513,17 +618,41 @@ impl ExpertMatrices {
 
     /// Bytes of all experts of this projection.
     pub fn bytes(&self) -> usize {
-        let (weights, scales) = self.parts();
-        weights.len() + scales.map_or(0, <[u8]>::len)
+        self.experts() * self.expert_bytes()
     }
 
-    /// The weight bytes and the scale bytes (absent for float experts) of all experts, each
-    /// expert's share contiguous after the previous one's.
-    pub fn parts(&self) -> (&[u8], Option<&[u8]>) {
+    /// Bytes of one expert (weights and scales).
+    pub fn expert_bytes(&self) -> usize {
+        let (weights, scales) = self.part_sizes();
+        weights + scales
+    }
+
+    /// Weight bytes and scale bytes (0 for float experts) of one expert.
+    pub fn part_sizes(&self) -> (usize, usize) {
         match self {
-            ExpertMatrices::Mxfp4(m) => (m.blocks.bytes(), Some(m.scales.bytes())),
-            ExpertMatrices::Int4(m) => (m.qweight.bytes(), Some(m.scales.bytes())),
-            ExpertMatrices::Dense(d) => (d.data.bytes(), None),
+            ExpertMatrices::Mxfp4(m) => (m.rows * m.cols / 2, m.rows * m.cols / 32),
+            ExpertMatrices::Int4(m) => (m.rows * m.cols / 2, m.rows * m.cols / 16),
+            ExpertMatrices::Dense(d) => (d.inputs * d.outputs * d.format.size(), 0),
+        }
+    }
+
+    /// The weight bytes and the scale bytes (absent for float experts) of expert `e`.
+    pub fn expert_parts(&self, e: usize) -> (&[u8], Option<&[u8]>) {
+        let (w, s) = self.part_sizes();
+        fn slice(bytes: &TensorBytes, stride: ExpertStride, e: usize, len: usize) -> &[u8] {
+            let start = e * stride.of(len);
+            &bytes.bytes()[start..start + len]
+        }
+        match self {
+            ExpertMatrices::Mxfp4(m) => (
+                slice(&m.blocks, m.stride, e, w),
+                Some(slice(&m.scales, m.stride, e, s)),
+            ),
+            ExpertMatrices::Int4(m) => (
+                slice(&m.qweight, m.stride, e, w),
+                Some(slice(&m.scales, m.stride, e, s)),
+            ),
+            ExpertMatrices::Dense(d) => (slice(&d.data, ExpertStride::Contiguous, e, w), None),
         }
     }
 }
@@ -612,15 +741,15 @@ impl ModelWeights {
             let u8s = [Dtype::U8, Dtype::F8_E8M0];
             let blocks = ck.require(&blocks_name, &[Dtype::U8], &[e, rows, groups, 16])?;
             let scales = ck.require(&format!("{prefix}_scales"), &u8s, &[e, rows, groups])?;
-            Ok(ExpertMatrices::Mxfp4(Mxfp4Experts {
-                experts: e,
-                rows,
-                cols,
-                blocks: ck.bytes_of(blocks),
-                scales: ck.bytes_of(scales),
-            }))
+            Ok(ExpertMatrices::Mxfp4(Mxfp4Experts::contiguous(
+                e,
+                (rows, cols),
+                ck.bytes_of(blocks),
+                ck.bytes_of(scales),
+            )))
         };
 
+        let flat = crate::flat_store::FlatExperts::open(ck.dir(), cfg)?.map(Arc::new);
         let mut layers = Vec::new(); // grows as tensors are found: no trust in the config's count
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
         for l in 0..cfg.num_layers {
@@ -646,9 +775,15 @@ impl ModelWeights {
                 sinks: vector(&format!("{p}.self_attn.sinks"), &[cfg.num_heads])?,
                 router: dense(&format!("{p}.mlp.router.weight"), e, h)?,
                 router_bias: vector(&format!("{p}.mlp.router.bias"), &[e])?,
-                gate_up: experts(&format!("{p}.mlp.experts.gate_up_proj"), 2 * i, h)?,
+                gate_up: match &flat {
+                    Some(store) => store.projection(l, true),
+                    None => experts(&format!("{p}.mlp.experts.gate_up_proj"), 2 * i, h)?,
+                },
                 gate_up_bias: vector(&format!("{p}.mlp.experts.gate_up_proj_bias"), &[e, 2 * i])?,
-                down: experts(&format!("{p}.mlp.experts.down_proj"), h, i)?,
+                down: match &flat {
+                    Some(store) => store.projection(l, false),
+                    None => experts(&format!("{p}.mlp.experts.down_proj"), h, i)?,
+                },
                 down_bias: vector(&format!("{p}.mlp.experts.down_proj_bias"), &[e, h])?,
             });
         }
@@ -663,6 +798,7 @@ impl ModelWeights {
             layers,
             final_norm: vector("model.norm.weight", &[h])?,
             lm_head,
+            flat,
         })
     }
 }

@@ -113,6 +113,7 @@ fn usage_is_saved_and_pins_hot_experts_next_time() {
             ram_budget: budget,
             io_threads: 3,
             hot_experts: true,
+            ..Default::default()
         };
         Model::load_with(dir.path(), &options).unwrap()
     };

@@ -212,26 +212,24 @@ fn quantized(kind: &str, experts: usize, rows: usize, cols: usize) -> Quantized 
                 .iter()
                 .map(|b| 118 + b % 6)
                 .collect();
-            Quantized::Mxfp4(Mxfp4Experts {
+            Quantized::Mxfp4(Mxfp4Experts::contiguous(
                 experts,
-                rows,
-                cols,
-                blocks: packed,
-                scales: TensorBytes::from_vec(scales),
-            })
+                (rows, cols),
+                packed,
+                TensorBytes::from_vec(scales),
+            ))
         }
         _ => {
             let scales = values(experts * rows * groups, 4)
                 .iter()
                 .flat_map(|v| half::f16::from_f32(0.002 + 0.01 * v.abs()).to_le_bytes())
                 .collect();
-            Quantized::Int4(Int4Experts {
+            Quantized::Int4(Int4Experts::contiguous(
                 experts,
-                rows,
-                cols,
-                qweight: packed,
-                scales: TensorBytes::from_vec(scales),
-            })
+                (rows, cols),
+                packed,
+                TensorBytes::from_vec(scales),
+            ))
         }
     }
 }

@@ -249,13 +249,12 @@ mod tests {
         let scales: Vec<u8> = (0..experts * rows * cols / 32)
             .map(|i| 120 + (i % 5) as u8)
             .collect();
-        let mx = Mxfp4Experts {
+        let mx = Mxfp4Experts::contiguous(
             experts,
-            rows,
-            cols,
-            blocks: crate::weights::TensorBytes::from_vec(blocks),
-            scales: crate::weights::TensorBytes::from_vec(scales),
-        };
+            (rows, cols),
+            crate::weights::TensorBytes::from_vec(blocks),
+            crate::weights::TensorBytes::from_vec(scales),
+        );
         let mut transposed = vec![0f32; experts * cols * rows];
         for e in 0..experts {
             for r in 0..rows {

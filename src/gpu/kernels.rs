@@ -210,8 +210,7 @@ struct ExpertLayout {
 
 impl ExpertLayout {
     fn of(m: &ExpertMatrices) -> ExpertLayout {
-        let experts = m.experts().max(1);
-        let (weights, scales) = m.parts();
+        let (expert_bytes, scale_bytes) = m.part_sizes();
         let kind = match m {
             ExpertMatrices::Mxfp4(_) => ("EXPERTS", "MXFP4"),
             ExpertMatrices::Int4(_) => ("EXPERTS", "INT4"),
@@ -225,8 +224,8 @@ impl ExpertLayout {
             ],
             rows: m.outputs(),
             cols: m.inputs(),
-            expert_bytes: weights.len() / experts,
-            scale_bytes: scales.map_or(0, |s| s.len() / experts),
+            expert_bytes,
+            scale_bytes,
         }
     }
 }
@@ -263,12 +262,19 @@ impl GpuExperts {
     /// Uploads every expert of whatever format the checkpoint stores.
     pub fn upload(ctx: &GpuContext, name: &str, m: &ExpertMatrices) -> Result<GpuExperts> {
         let layout = ExpertLayout::of(m);
-        let (eb, sb) = (layout.expert_bytes, layout.scale_bytes);
-        let (weights, scales) = m.parts();
+        let has_scales = layout.scale_bytes > 0;
         Self::build(ctx, name, layout, m.experts(), |first, n| {
-            let w = ctx.upload(name, &weights[first * eb..(first + n) * eb]);
-            let s = scales.map(|s| ctx.upload(name, &s[first * sb..(first + n) * sb]));
-            Ok((w, s))
+            // Gathered expert by expert: a converted store keeps them in strided records.
+            let (mut w, mut s) = (Vec::new(), Vec::new());
+            for e in first..first + n {
+                let (weights, scales) = m.expert_parts(e);
+                w.extend_from_slice(weights);
+                s.extend_from_slice(scales.unwrap_or_default());
+            }
+            Ok((
+                ctx.upload(name, &w),
+                has_scales.then(|| ctx.upload(name, &s)),
+            ))
         })
     }
 
@@ -299,7 +305,7 @@ impl GpuExperts {
     /// Writes one expert (`m` holding exactly one, in this pool's format) into `slot`; the copy
     /// lands before the next submission's commands run.
     pub fn write_slot(&self, queue: &wgpu::Queue, slot: usize, m: &ExpertMatrices) -> Result<()> {
-        let (weights, scales) = m.parts();
+        let (weights, scales) = m.expert_parts(0);
         let fits =
             weights.len() == self.expert_bytes && scales.map_or(0, <[u8]>::len) == self.scale_bytes;
         let chunk = self

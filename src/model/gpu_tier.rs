@@ -1189,7 +1189,9 @@ impl<'m> GpuModel<'m> {
                     (slot * h * 4) as u64,
                     bytemuck::cast_slice(down_bias),
                 );
-                let bytes = expert.bytes + 4 * (gate_up_bias.len() + down_bias.len());
+                let bytes = expert.gate_up.expert_bytes()
+                    + expert.down.expert_bytes()
+                    + 4 * (gate_up_bias.len() + down_bias.len());
                 let evictions = evicted.contains(&e) as u64;
                 model.experts.count_upload(bytes as u64, evictions, started);
             } else {

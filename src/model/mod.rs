@@ -84,6 +84,8 @@ pub struct ModelOptions {
     /// Pin the experts earlier runs used most (from `.picchio_usage` beside the model), and let
     /// `save_usage` add this run's counts there. Off by default: runs stay independent.
     pub hot_experts: bool,
+    /// Read a converted expert store past the page cache (O_DIRECT).
+    pub direct_io: bool,
 }
 
 impl Default for ModelOptions {
@@ -92,6 +94,7 @@ impl Default for ModelOptions {
             ram_budget: RamBudget::Auto,
             io_threads: 4,
             hot_experts: false,
+            direct_io: false,
         }
     }
 }
@@ -111,8 +114,11 @@ impl Model {
             &checkpoint,
             &weights,
             options.ram_budget,
-            options.io_threads,
-            options.hot_experts,
+            crate::experts::StoreOptions {
+                io_threads: options.io_threads,
+                hot_experts: options.hot_experts,
+                direct_io: options.direct_io,
+            },
         )?;
         let rope = RopeTable::new(&config);
         Ok(Model {

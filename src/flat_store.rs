@@ -1,0 +1,507 @@
+//! The converted expert store (`picchio convert`): every (layer, expert) one record in one file,
+//! each starting on a 4 KiB boundary, so one positioned read (or one O_DIRECT read) loads one
+//! expert, with an index holding the layout and a hash per record. The dense tensors go to a
+//! plain safetensors file beside it.
+//!
+//! A record holds, in order: gate_up weights, gate_up scales, down weights, down scales, then zero
+//! padding up to the stride. Experts are MXFP4 (copied bit for bit from the checkpoint) or
+//! group-scaled INT4 (quantized from the exact weights, 32 inputs per f16 scale: lossy).
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use memmap2::Mmap;
+use serde::{Deserialize, Serialize};
+
+use crate::config::Config;
+use crate::cpu::formats::{decode_floats, dequantize_mxfp4_row};
+use crate::error::{Error, Result};
+use crate::weights::{
+    Checkpoint, ExpertMatrices, ExpertStride, Int4Experts, ModelWeights, Mxfp4Experts, TensorBytes,
+};
+
+/// The index file of a converted store.
+pub const INDEX_FILE: &str = "experts.json";
+/// The records file of a converted store.
+pub const RECORDS_FILE: &str = "experts.bin";
+/// Every record starts on a multiple of this (the page size and O_DIRECT's usual alignment).
+pub const RECORD_ALIGN: usize = 4096;
+
+/// How a converted store holds expert weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FlatFormat {
+    Mxfp4,
+    Int4,
+}
+
+impl std::str::FromStr for FlatFormat {
+    type Err = String;
+
+    fn from_str(text: &str) -> std::result::Result<FlatFormat, String> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "mxfp4" => Ok(FlatFormat::Mxfp4),
+            "int4" => Ok(FlatFormat::Int4),
+            _ => Err(format!("{text:?}: expected mxfp4 or int4")),
+        }
+    }
+}
+
+/// A part of a record: offset from the record's start and length.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Span {
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// One projection's place in a record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProjectionLayout {
+    pub rows: usize,
+    pub cols: usize,
+    pub weights: Span,
+    pub scales: Span,
+}
+
+/// `experts.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FlatIndex {
+    pub format_version: u32,
+    pub experts_format: FlatFormat,
+    pub layers: usize,
+    pub experts: usize,
+    /// Bytes from one record's start to the next's (a multiple of `RECORD_ALIGN`).
+    pub record_stride: usize,
+    /// Bytes of a record before its padding.
+    pub record_bytes: usize,
+    pub gate_up: ProjectionLayout,
+    pub down: ProjectionLayout,
+    /// FNV-1a 64 of each record's `record_bytes`, in hex, record `layer * experts + expert`.
+    pub hashes: Vec<String>,
+}
+
+impl FlatIndex {
+    fn layout(format: FlatFormat, cfg: &Config) -> FlatIndex {
+        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let scale_size = match format {
+            FlatFormat::Mxfp4 => 1,
+            FlatFormat::Int4 => 2,
+        };
+        let mut at = 0;
+        let mut span = |len: usize| {
+            let s = Span { offset: at, len };
+            at += len;
+            s
+        };
+        let mut projection = |rows: usize, cols: usize| ProjectionLayout {
+            rows,
+            cols,
+            weights: span(rows * cols / 2),
+            scales: span(rows * cols / 32 * scale_size),
+        };
+        let gate_up = projection(2 * i, h);
+        let down = projection(h, i);
+        let record_bytes = down.scales.offset + down.scales.len;
+        FlatIndex {
+            format_version: 1,
+            experts_format: format,
+            layers: cfg.num_layers,
+            experts: cfg.num_experts,
+            record_stride: record_bytes.div_ceil(RECORD_ALIGN) * RECORD_ALIGN,
+            record_bytes,
+            gate_up,
+            down,
+            hashes: Vec::new(),
+        }
+    }
+
+    /// Byte offset of record (layer, expert) in the records file.
+    pub fn record_offset(&self, layer: usize, expert: usize) -> u64 {
+        ((layer * self.experts + expert) * self.record_stride) as u64
+    }
+}
+
+/// FNV-1a, 64 bits: a record checksum with no dependency.
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// A converted store opened for reading: its index and the mapped records.
+pub struct FlatExperts {
+    pub index: FlatIndex,
+    pub records_path: PathBuf,
+    map: Arc<Mmap>,
+}
+
+impl FlatExperts {
+    /// Opens `dir`'s converted store, if it has one, checking the index against `cfg` and the
+    /// records file's length.
+    pub fn open(dir: &Path, cfg: &Config) -> Result<Option<FlatExperts>> {
+        let index_path = dir.join(INDEX_FILE);
+        if !index_path.exists() {
+            return Ok(None);
+        }
+        let text = std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
+        let index: FlatIndex = serde_json::from_str(&text).map_err(|e| Error::Format {
+            path: index_path.clone(),
+            message: e.to_string(),
+        })?;
+        let expected = FlatIndex::layout(index.experts_format, cfg);
+        let bad = |message: String| Error::Format {
+            path: index_path.clone(),
+            message,
+        };
+        if index.format_version != 1 {
+            return Err(bad(format!(
+                "format_version {} (this picchio reads 1)",
+                index.format_version
+            )));
+        }
+        if (
+            index.layers,
+            index.experts,
+            index.gate_up,
+            index.down,
+            index.record_bytes,
+        ) != (
+            expected.layers,
+            expected.experts,
+            expected.gate_up,
+            expected.down,
+            expected.record_bytes,
+        ) || index.record_stride < index.record_bytes
+            || !index.record_stride.is_multiple_of(RECORD_ALIGN)
+        {
+            return Err(bad(format!(
+                "the layout does not match config.json ({} layers x {} experts, records of {} bytes expected)",
+                expected.layers, expected.experts, expected.record_bytes
+            )));
+        }
+        if index.hashes.len() != index.layers * index.experts {
+            return Err(bad(format!(
+                "{} hashes for {} records",
+                index.hashes.len(),
+                index.layers * index.experts
+            )));
+        }
+        let records_path = dir.join(RECORDS_FILE);
+        let file = std::fs::File::open(&records_path).map_err(|e| Error::io(&records_path, e))?;
+        // Safety: the records are only read; picchio never writes a file it has mapped, and a
+        // file truncated under a running process is outside what any mmap reader can guard.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&records_path, e))?;
+        let needed = (index.layers * index.experts * index.record_stride) as u64;
+        if (map.len() as u64) < needed {
+            return Err(Error::Format {
+                path: records_path,
+                message: format!(
+                    "{} bytes, but the index describes {needed} (a short file)",
+                    map.len()
+                ),
+            });
+        }
+        Ok(Some(FlatExperts {
+            index,
+            records_path,
+            map: Arc::new(map),
+        }))
+    }
+
+    /// One projection of every expert of `layer`, as strided views of the mapped records.
+    pub fn projection(&self, layer: usize, gate_up: bool) -> ExpertMatrices {
+        let index = &self.index;
+        let p = if gate_up { index.gate_up } else { index.down };
+        let base = index.record_offset(layer, 0) as usize;
+        let view = |span: Span| {
+            let start = base + span.offset;
+            let end = start + (index.experts - 1) * index.record_stride + span.len;
+            TensorBytes::mapped(self.map.clone(), start..end)
+        };
+        let stride = ExpertStride::Bytes(index.record_stride);
+        match index.experts_format {
+            FlatFormat::Mxfp4 => ExpertMatrices::Mxfp4(Mxfp4Experts {
+                stride,
+                ..Mxfp4Experts::contiguous(
+                    index.experts,
+                    (p.rows, p.cols),
+                    view(p.weights),
+                    view(p.scales),
+                )
+            }),
+            FlatFormat::Int4 => ExpertMatrices::Int4(Int4Experts {
+                stride,
+                ..Int4Experts::contiguous(
+                    index.experts,
+                    (p.rows, p.cols),
+                    view(p.weights),
+                    view(p.scales),
+                )
+            }),
+        }
+    }
+
+    /// Checks every record against its hash; the first mismatch is an error naming it.
+    pub fn verify(&self) -> Result<()> {
+        let index = &self.index;
+        for (r, want) in index.hashes.iter().enumerate() {
+            let start = r * index.record_stride;
+            let got = format!(
+                "{:016x}",
+                fnv1a64(&self.map[start..start + index.record_bytes])
+            );
+            if &got != want {
+                return Err(Error::Format {
+                    path: self.records_path.clone(),
+                    message: format!(
+                        "record {r} (layer {}, expert {}) hashes to {got}, the index says {want}",
+                        r / index.experts,
+                        r % index.experts
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Expert `e` of `m` as f32 rows `[outputs, inputs]` (exact: MXFP4 and float formats decode
+/// without rounding).
+fn expert_rows(m: &ExpertMatrices, e: usize) -> Result<Vec<f32>> {
+    let (rows, cols) = (m.outputs(), m.inputs());
+    let mut out = vec![0f32; rows * cols];
+    match m {
+        ExpertMatrices::Mxfp4(x) => {
+            for (r, row) in out.chunks_exact_mut(cols).enumerate() {
+                let (blocks, scales) = x.row(e, r);
+                dequantize_mxfp4_row(blocks, scales, row);
+            }
+        }
+        ExpertMatrices::Dense(d) => {
+            for i in 0..cols {
+                let column = decode_floats(d.format, d.input_row(e, i));
+                for (r, v) in column.into_iter().enumerate() {
+                    out[r * cols + i] = v;
+                }
+            }
+        }
+        ExpertMatrices::Int4(_) => {
+            return Err(Error::Unsupported(
+                "converting INT4 experts again (convert the original checkpoint)".into(),
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// Group-scaled INT4 of `[rows, cols]` f32 weights: per 32 inputs one f16 scale and nibbles
+/// `clamp(round(w / scale), -8, 7) + 8` (low nibble first). The scale is the one of
+/// `max|w| / d`, d in 5..=8 by halves, with the least squared error over the group (max/7 alone
+/// wastes the -8 level and fits non-uniform MXFP4 values poorly). Returns (packed, scales).
+pub fn quantize_int4(values: &[f32], cols: usize) -> (Vec<u8>, Vec<u8>) {
+    let mut packed = Vec::with_capacity(values.len() / 2);
+    let mut scales = Vec::with_capacity(values.len() / 16);
+    debug_assert!(cols.is_multiple_of(32));
+    let code = |v: f32, s: f32| -> u8 {
+        if s == 0.0 {
+            8
+        } else {
+            ((v / s).round().clamp(-8.0, 7.0) as i32 + 8) as u8
+        }
+    };
+    for group in values.chunks_exact(32) {
+        let max = group.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let error = |scale: half::f16| -> f32 {
+            let s = scale.to_f32();
+            group
+                .iter()
+                .map(|&v| (v - (code(v, s) as f32 - 8.0) * s).powi(2))
+                .sum()
+        };
+        let scale = [7.0f32, 7.5, 8.0, 6.5, 6.0, 5.5, 5.0]
+            .into_iter()
+            .map(|d| half::f16::from_f32(max / d))
+            .min_by(|a, b| error(*a).total_cmp(&error(*b)))
+            .expect("candidates");
+        let s = scale.to_f32();
+        scales.extend_from_slice(&scale.to_le_bytes());
+        for pair in group.chunks_exact(2) {
+            packed.push(code(pair[0], s) | (code(pair[1], s) << 4));
+        }
+    }
+    (packed, scales)
+}
+
+/// Expert `e` of `m` in `format`: (weights, scales).
+fn convert_expert(m: &ExpertMatrices, e: usize, format: FlatFormat) -> Result<(Vec<u8>, Vec<u8>)> {
+    match (format, m) {
+        (FlatFormat::Mxfp4, ExpertMatrices::Mxfp4(_)) => {
+            let (w, s) = m.expert_parts(e);
+            Ok((w.to_vec(), s.unwrap_or_default().to_vec()))
+        }
+        (FlatFormat::Mxfp4, _) => Err(Error::Unsupported(
+            "--experts mxfp4 copies MXFP4 experts; these are not MXFP4 (use --experts int4)".into(),
+        )),
+        (FlatFormat::Int4, _) => Ok(quantize_int4(&expert_rows(m, e)?, m.inputs())),
+    }
+}
+
+/// What `convert` wrote.
+#[derive(Debug, Clone)]
+pub struct ConvertReport {
+    pub index: FlatIndex,
+    pub dense_tensors: usize,
+    pub dense_bytes: u64,
+    pub records_bytes: u64,
+}
+
+/// Names of the checkpoint tensors that hold expert weights (they go to the records).
+fn is_expert_weight(name: &str) -> bool {
+    let Some(rest) = name.split(".mlp.experts.").nth(1) else {
+        return false;
+    };
+    matches!(
+        rest,
+        "gate_up_proj"
+            | "down_proj"
+            | "gate_up_proj_blocks"
+            | "gate_up_proj_scales"
+            | "down_proj_blocks"
+            | "down_proj_scales"
+    )
+}
+
+/// Writes `out`: config files, the dense tensors as `model.safetensors`, the expert records and
+/// their index. `progress(records_done)` after each record. `out` must be empty or absent.
+pub fn convert(
+    model_dir: &Path,
+    out: &Path,
+    format: FlatFormat,
+    progress: &dyn Fn(u64),
+) -> Result<ConvertReport> {
+    crate::weights::require_dir(model_dir)?;
+    crate::synth::require_empty_dir(out)?;
+    let cfg = Config::load(model_dir)?;
+    let ck = Checkpoint::open(model_dir)?;
+    let weights = ModelWeights::load(&ck, &cfg)?;
+    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    for name in ["config.json", "generation_config.json"] {
+        let from = model_dir.join(name);
+        if from.exists() {
+            let to = out.join(name);
+            std::fs::copy(&from, &to).map_err(|e| Error::io(&to, e))?;
+        }
+    }
+
+    // Dense tensors, byte for byte.
+    let mut dense = BTreeMap::new();
+    let mut dense_bytes = 0u64;
+    for entry in ck.tensors().filter(|e| !is_expert_weight(&e.name)) {
+        let bytes = ck.bytes_of(entry);
+        dense_bytes += bytes.bytes().len() as u64;
+        dense.insert(
+            entry.name.clone(),
+            (entry.dtype, entry.shape.clone(), bytes),
+        );
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = dense
+        .iter()
+        .map(|(name, (dtype, shape, bytes))| {
+            safetensors::tensor::TensorView::new(*dtype, shape.clone(), bytes.bytes())
+                .map(|v| (name.clone(), v))
+                .map_err(|e| Error::Format {
+                    path: model_dir.to_path_buf(),
+                    message: format!("{name}: {e}"),
+                })
+        })
+        .collect::<Result<_>>()?;
+    let dense_path = out.join("model.safetensors");
+    safetensors::serialize_to_file(views, None, &dense_path).map_err(|e| Error::Format {
+        path: dense_path.clone(),
+        message: e.to_string(),
+    })?;
+
+    // Expert records.
+    let mut index = FlatIndex::layout(format, &cfg);
+    let records_path = out.join(RECORDS_FILE);
+    let file = std::fs::File::create(&records_path).map_err(|e| Error::io(&records_path, e))?;
+    let mut writer = std::io::BufWriter::with_capacity(8 << 20, file);
+    let mut record = vec![0u8; index.record_stride];
+    for layer in &weights.layers {
+        for e in 0..cfg.num_experts {
+            record.fill(0);
+            for (m, p) in [(&layer.gate_up, index.gate_up), (&layer.down, index.down)] {
+                let (w, s) = convert_expert(m, e, format)?;
+                record[p.weights.offset..p.weights.offset + w.len()].copy_from_slice(&w);
+                record[p.scales.offset..p.scales.offset + s.len()].copy_from_slice(&s);
+            }
+            index
+                .hashes
+                .push(format!("{:016x}", fnv1a64(&record[..index.record_bytes])));
+            writer
+                .write_all(&record)
+                .map_err(|e| Error::io(&records_path, e))?;
+            progress(1);
+        }
+    }
+    writer
+        .into_inner()
+        .map_err(|e| Error::io(&records_path, e.into_error()))?
+        .sync_all()
+        .map_err(|e| Error::io(&records_path, e))?;
+    let index_path = out.join(INDEX_FILE);
+    let text = serde_json::to_string_pretty(&index).expect("the index serializes");
+    std::fs::write(&index_path, text).map_err(|e| Error::io(&index_path, e))?;
+    Ok(ConvertReport {
+        records_bytes: (index.hashes.len() * index.record_stride) as u64,
+        index,
+        dense_tensors: dense.len(),
+        dense_bytes,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn int4_round_trips_within_half_a_step() {
+        let values: Vec<f32> = (0..64)
+            .map(|i| ((i * 37) % 23) as f32 * 0.1 - 1.1)
+            .collect();
+        let (packed, scales) = quantize_int4(&values, 64);
+        let mut out = vec![0f32; 64];
+        for (g, chunk) in out.chunks_exact_mut(32).enumerate() {
+            crate::cpu::formats::dequantize_int4_row(
+                &packed[g * 16..(g + 1) * 16],
+                &scales[g * 2..(g + 1) * 2],
+                chunk,
+            );
+        }
+        for (got, want) in out.chunks(32).zip(values.chunks(32)) {
+            // No worse than the plain max/7 quantizer, whose error is at most half a step.
+            let max = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let plain = half::f16::from_f32(max / 7.0).to_f32();
+            let plain_sse: f32 = want
+                .iter()
+                .map(|v| (v - (v / plain).round() * plain).powi(2))
+                .sum();
+            let sse: f32 = got.iter().zip(want).map(|(a, b)| (a - b).powi(2)).sum();
+            assert!(sse <= plain_sse + 1e-6, "{sse} vs {plain_sse}");
+            for (a, b) in got.iter().zip(want) {
+                assert!((a - b).abs() <= max / 5.0, "{a} vs {b}");
+            }
+        }
+        // All-zero groups stay zero.
+        let (packed, _) = quantize_int4(&[0.0; 32], 32);
+        assert!(packed.iter().all(|&b| b == 0x88));
+    }
+
+    #[test]
+    fn fnv_matches_the_published_vectors() {
+        assert_eq!(fnv1a64(b""), 0xcbf29ce484222325);
+        assert_eq!(fnv1a64(b"a"), 0xaf63dc4c8601ec8c);
+    }
+}
