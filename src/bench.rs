@@ -22,6 +22,8 @@ pub struct BenchOptions {
     /// The GPU tier's expert cache budgets (ignored by CPU runs).
     pub vram_budgets: Vec<VramBudget>,
     pub miss_policy: MissPolicy,
+    /// Read a converted store's experts with O_DIRECT.
+    pub direct_io: bool,
     pub prompt_tokens: usize,
     pub gen_tokens: usize,
     pub seed: u64,
@@ -103,6 +105,7 @@ pub fn run_bench(
             &options.model,
             &ModelOptions {
                 ram_budget: budget,
+                direct_io: options.direct_io,
                 ..Default::default()
             },
         )?;

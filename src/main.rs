@@ -175,6 +175,9 @@ enum Command {
         /// The GPU tier's miss policy for every run (auto, upload or cpu).
         #[arg(long, default_value = "auto")]
         miss_policy: picchio::model::gpu_tier::MissPolicy,
+        /// Read a converted expert store with O_DIRECT (no page cache).
+        #[arg(long)]
+        direct_io: bool,
         #[arg(long, default_value_t = 64)]
         prompt_tokens: usize,
         #[arg(long, default_value_t = 32)]
@@ -377,6 +380,7 @@ fn run(cli: Cli) -> Result<()> {
             ram_budgets,
             vram_budgets,
             miss_policy,
+            direct_io,
             prompt_tokens,
             gen_tokens,
             seed,
@@ -390,6 +394,7 @@ fn run(cli: Cli) -> Result<()> {
                 ram_budgets,
                 vram_budgets,
                 miss_policy,
+                direct_io,
                 prompt_tokens,
                 gen_tokens,
                 seed,

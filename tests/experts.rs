@@ -82,6 +82,7 @@ fn bench_sweeps_budgets_and_writes_csv_and_plot() {
         ram_budgets: vec![RamBudget::Bytes(0), RamBudget::Percent(100.0)],
         vram_budgets: vec![RamBudget::Bytes(0), RamBudget::Auto], // ignored on the CPU tier
         miss_policy: Default::default(),
+        direct_io: false,
         prompt_tokens: 8,
         gen_tokens: 6,
         seed: 3,
