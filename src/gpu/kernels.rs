@@ -404,6 +404,14 @@ impl GpuExperts {
     pub fn chunk_count(&self) -> usize {
         self.chunks.len()
     }
+
+    /// The experts (or cache slots) each chunk holds, in the order `prepare` returns dispatches.
+    pub fn chunk_ranges(&self) -> Vec<std::ops::Range<usize>> {
+        self.chunks
+            .iter()
+            .map(|(first, n, _, _)| *first..first + n)
+            .collect()
+    }
 }
 
 /// RMSNorm of `rows` rows of `cols` values: `y = w * x / sqrt(mean(x^2) + eps)`.

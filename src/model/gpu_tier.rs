@@ -215,6 +215,12 @@ struct Activations {
 
 enum PlanStep {
     Dispatch(Dispatch),
+    /// An expert kernel over one chunk of the VRAM cache's slots: recorded only when the layer
+    /// placed an expert in one of them (the rest of its workgroups would only exit).
+    SlotChunk {
+        dispatch: Dispatch,
+        slots: std::ops::Range<usize>,
+    },
     /// Submit what came before, read back this layer's routing and place its experts.
     PlaceExperts {
         layer: usize,
@@ -242,6 +248,8 @@ pub struct GpuModel<'m> {
     model: &'m Model,
     /// The VRAM expert cache, when not every expert is resident.
     pool: Option<ExpertPool>,
+    /// Cache slots the layer being run placed an expert in.
+    used_slots: Vec<bool>,
     placement: Vec<LayerPlacement>,
     config: Config,
     rope: RopeTable,
@@ -263,11 +271,21 @@ pub struct GpuModel<'m> {
 }
 
 /// Records plan steps into `encoder`: consecutive dispatches share one compute pass, copies go
-/// between passes.
-fn record(encoder: &mut wgpu::CommandEncoder, steps: &[PlanStep]) {
+/// between passes; cache-slot chunks only when a slot of theirs is `used`.
+fn record(encoder: &mut wgpu::CommandEncoder, steps: &[PlanStep], used: &[bool]) {
     let mut pass: Option<wgpu::ComputePass<'static>> = None;
     for step in steps {
         match step {
+            PlanStep::SlotChunk { dispatch, slots } => {
+                if used[slots.clone()].contains(&true) {
+                    let p = pass.get_or_insert_with(|| {
+                        encoder
+                            .begin_compute_pass(&Default::default())
+                            .forget_lifetime()
+                    });
+                    dispatch.record(p);
+                }
+            }
             PlanStep::Dispatch(d) => {
                 let p = pass.get_or_insert_with(|| {
                     encoder
@@ -295,6 +313,21 @@ fn record(encoder: &mut wgpu::CommandEncoder, steps: &[PlanStep]) {
 
 fn add(steps: &mut Vec<PlanStep>, dispatches: Vec<Dispatch>) {
     steps.extend(dispatches.into_iter().map(PlanStep::Dispatch));
+}
+
+/// Adds an expert kernel's per-chunk dispatches; for the VRAM cache, each tagged with its slots.
+fn add_experts(
+    steps: &mut Vec<PlanStep>,
+    experts: &GpuExperts,
+    cached: bool,
+    dispatches: Vec<Dispatch>,
+) {
+    if !cached {
+        return add(steps, dispatches);
+    }
+    for (dispatch, slots) in dispatches.into_iter().zip(experts.chunk_ranges()) {
+        steps.push(PlanStep::SlotChunk { dispatch, slots });
+    }
 }
 
 fn f32s(ctx: &GpuContext, label: &str, values: &[f32]) -> wgpu::Buffer {
@@ -428,6 +461,7 @@ impl<'m> GpuModel<'m> {
         let mut gpu = GpuModel {
             model,
             pool: None,
+            used_slots: Vec::new(),
             placement: (0..cfg.num_layers)
                 .map(|layer| LayerPlacement {
                     layer,
@@ -581,6 +615,7 @@ impl<'m> GpuModel<'m> {
                 clock: 0,
             })
         })?;
+        self.used_slots = vec![false; slots];
         self.pool = Some(pool);
         Ok(())
     }
@@ -832,8 +867,11 @@ impl<'m> GpuModel<'m> {
                     return Err(Error::Gpu(format!("layer {l}: no experts in VRAM")));
                 }
             };
-            add(
+            let cached = w.experts.is_none();
+            add_experts(
                 &mut steps,
+                gate_up,
+                cached,
                 gate_up.prepare(
                     ctx,
                     &a.normed,
@@ -855,8 +893,10 @@ impl<'m> GpuModel<'m> {
                     &a.activated,
                 )?],
             );
-            add(
+            add_experts(
                 &mut steps,
+                down,
+                cached,
                 down.prepare(
                     ctx,
                     &a.activated,
@@ -1023,7 +1063,7 @@ impl<'m> GpuModel<'m> {
             };
             self.ctx.guard(|| {
                 let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
-                record(&mut encoder, steps);
+                record(&mut encoder, steps, &self.used_slots);
                 self.ctx.queue.submit([encoder.finish()]);
                 Ok(())
             })?;
@@ -1049,9 +1089,9 @@ impl<'m> GpuModel<'m> {
                 .push_error_scope(wgpu::ErrorFilter::Validation);
             let started = std::time::Instant::now();
             let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
-            record(&mut encoder, std::slice::from_ref(step));
+            record(&mut encoder, std::slice::from_ref(step), &self.used_slots);
             let label = match step {
-                PlanStep::Dispatch(d) => d.label.as_str(),
+                PlanStep::Dispatch(d) | PlanStep::SlotChunk { dispatch: d, .. } => d.label.as_str(),
                 _ => "copy",
             };
             self.ctx.queue.submit([encoder.finish()]);
@@ -1211,6 +1251,10 @@ impl<'m> GpuModel<'m> {
                 }
                 super::CpuTimings::add(&model.timings.experts_us, started);
             }
+        }
+        self.used_slots.fill(false);
+        for &slot in slot_of_expert.values() {
+            self.used_slots[slot] = true;
         }
         let slots: Vec<u32> = ids
             .iter()
