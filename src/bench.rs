@@ -136,7 +136,6 @@ pub fn run_bench(
         log::debug!("run took {:.1} s", started.elapsed().as_secs_f64());
         let decode = marks[1].since(&marks[0]);
         let decoded = out.decode_tokens.max(1) as f64;
-        let all_experts = model.config.num_layers * model.config.num_experts;
         let on_gpu = session.gpu().is_some();
         let rate = |hits: u64| (decode.requests > 0).then(|| hits as f64 / decode.requests as f64);
         runs.push(BenchRun {
@@ -144,9 +143,9 @@ pub fn run_bench(
             ram_budget: format!("{budget:?}"),
             ram_budget_bytes: model.experts.budget(),
             vram_budget: format!("{vram_budget:?}"),
-            vram_budget_bytes: session.gpu().map(|g| {
-                g.cached_experts().unwrap_or(all_experts) as u64 * vram_bytes_per_expert(&model)
-            }),
+            vram_budget_bytes: session
+                .gpu()
+                .map(|g| g.vram_experts() as u64 * vram_bytes_per_expert(&model)),
             vram_hit_rate: if on_gpu { rate(decode.vram_hits) } else { None },
             upload_bytes_per_token: decode.upload_bytes as f64 / decoded,
             prefill_tokens_per_s: options.prompt_tokens as f64

@@ -650,6 +650,22 @@ impl ExpertStore {
             .collect();
         order.sort_by_key(|&i| (std::cmp::Reverse(usage.counts[i]), i));
         let room = (self.budget / 2 / self.expert_bytes.max(1)) as usize;
+        // Start-up reads are not the run's requests: whatever they add is taken back below.
+        let c = &self.counters;
+        let counters = [
+            &c.requests,
+            &c.ram_hits,
+            &c.disk_reads,
+            &c.disk_bytes,
+            &c.evictions,
+            &c.io_wait_us,
+        ];
+        let before: Vec<u64> = counters.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+        let usage_before: Vec<u64> = self
+            .usage
+            .iter()
+            .map(|u| u.load(Ordering::Relaxed))
+            .collect();
         let mut by_layer: HashMap<usize, Vec<usize>> = HashMap::new();
         for &i in order.iter().take(room) {
             by_layer
@@ -670,20 +686,11 @@ impl ExpertStore {
             }
             drop(fetched);
         }
-        // Start-up reads are not the run's requests.
-        self.usage
-            .iter()
-            .for_each(|u| u.store(0, Ordering::Relaxed));
-        let c = &self.counters;
-        for counter in [
-            &c.requests,
-            &c.ram_hits,
-            &c.disk_reads,
-            &c.disk_bytes,
-            &c.evictions,
-            &c.io_wait_us,
-        ] {
-            counter.store(0, Ordering::Relaxed);
+        for (u, value) in self.usage.iter().zip(usage_before) {
+            u.store(value, Ordering::Relaxed);
+        }
+        for (counter, value) in counters.iter().zip(before) {
+            counter.store(value, Ordering::Relaxed);
         }
         if pinned > 0 {
             log::info!(

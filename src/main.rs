@@ -89,6 +89,10 @@ struct PromptArgs {
     /// only (picchio convert).
     #[arg(long)]
     direct_io: bool,
+    /// Decoder layers the GPU runs (the first N; the CPU tier runs the rest and the head).
+    /// Default: as many as the dense weights fit in GPU memory.
+    #[arg(long, value_name = "N")]
+    gpu_layers: Option<usize>,
 }
 
 impl PromptArgs {
@@ -99,6 +103,7 @@ impl PromptArgs {
             top_logits,
             vram_budget: self.vram_budget,
             miss_policy: self.miss_policy,
+            gpu_layers: self.gpu_layers,
             ..Default::default()
         }
     }
@@ -326,12 +331,7 @@ fn run(cli: Cli) -> Result<()> {
                     };
                     let experts = loaded.experts.stats();
                     let (attention_ms, experts_ms, head_ms) = loaded.timings.millis();
-                    // Every expert resident in VRAM: routing never leaves the GPU, so requests
-                    // are not counted there (null).
-                    let vram_cached = session.gpu().map(|g| {
-                        g.cached_experts()
-                            .unwrap_or(loaded.config.num_layers * loaded.config.num_experts)
-                    });
+                    let vram_cached = session.gpu().map(|g| g.vram_experts());
                     // The GPU tier's per-layer choices, or one tier for every layer.
                     let placement = match session.placement() {
                         Some(layers) => serde_json::to_value(layers)?,

@@ -161,6 +161,7 @@ fn prompt_blocks_with_a_vram_cache_give_the_same_tokens() {
             top_logits: 10,
             vram_budget: VramBudget::Percent(25.0),
             miss_policy: MissPolicy::Upload,
+            gpu_layers: None,
         };
         let mut session = GpuModel::new(ctx, &model, options).unwrap();
         let out = generate_with(
@@ -221,4 +222,55 @@ fn bench_sweeps_vram_budgets() {
             .unwrap()
             .contains("VRAM budget")
     );
+}
+
+#[test]
+fn layers_split_between_the_gpu_and_the_cpu_give_transformers_tokens() {
+    // The first g layers on the GPU (with a quarter-size expert cache), the rest and the head on
+    // the CPU tier: the residual stream crosses once per block, the tokens do not change.
+    for dir in fixture_dirs() {
+        let reference = reference(&dir);
+        let layers = Model::load(&dir).unwrap().config.num_layers;
+        for gpu_layers in [1, layers - 1].into_iter().filter(|&g| g >= 1) {
+            let model = Model::load_with(
+                &dir,
+                &ModelOptions {
+                    ram_budget: RamBudget::Bytes(0),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let Some(ctx) = gpu(None) else {
+                return;
+            };
+            let options = GpuTierOptions {
+                context: 4096,
+                top_logits: 10,
+                vram_budget: VramBudget::Percent(25.0),
+                gpu_layers: Some(gpu_layers),
+                ..Default::default()
+            };
+            let mut session = GpuModel::new(ctx, &model, options).unwrap();
+            assert_eq!(session.gpu_layers(), gpu_layers);
+            let out = generate_with(
+                &mut session,
+                &model.config,
+                &reference.prompt_ids,
+                &greedy_options(32),
+            )
+            .unwrap();
+            let what = format!("{} ({gpu_layers} GPU layers)", dir.display());
+            assert_eq!(out.generated_ids, reference.generated_ids, "{what}");
+            for p in session.placement() {
+                let tier = if p.layer < gpu_layers { "gpu" } else { "cpu" };
+                assert_eq!((p.attention, p.residual), (tier, tier), "{what}: {p:?}");
+            }
+            let s = model.experts.stats();
+            assert_eq!(
+                s.requests,
+                s.vram_hits + s.ram_hits + s.disk_reads,
+                "{what}: {s:?}"
+            );
+        }
+    }
 }

@@ -66,6 +66,9 @@ pub struct GpuTierOptions {
     /// GPU memory for experts.
     pub vram_budget: VramBudget,
     pub miss_policy: MissPolicy,
+    /// Decoder layers the GPU runs (the first ones; the rest, and then the head, run on the CPU
+    /// tier). `None`: as many as the dense weights fit.
+    pub gpu_layers: Option<usize>,
 }
 
 impl Default for GpuTierOptions {
@@ -76,6 +79,7 @@ impl Default for GpuTierOptions {
             top_logits: 2,
             vram_budget: VramBudget::Auto,
             miss_policy: MissPolicy::Auto,
+            gpu_layers: None,
         }
     }
 }
@@ -256,9 +260,14 @@ pub struct GpuModel<'m> {
     options: GpuTierOptions,
     layers: Vec<GpuLayer>,
     embeddings: GpuMatrix,
-    lm_head: GpuMatrix,
+    /// The head, when the GPU runs every layer and holds it.
+    lm_head: Option<GpuMatrix>,
     final_norm: wgpu::Buffer,
     act: Activations,
+    /// KV cache of the layers the CPU tier runs after the GPU's, and the last position's
+    /// residual for the CPU's head.
+    cpu_cache: Option<super::KvCache>,
+    cpu_last_hidden: Vec<f32>,
     kv: Vec<KvBuffers>,
     /// Plans by (block size, runs the head).
     plans: HashMap<(usize, bool), Vec<PlanStep>>,
@@ -370,9 +379,34 @@ impl<'m> GpuModel<'m> {
         Ok(gpu)
     }
 
+    /// Uploads layer `l`'s dense weights (its experts come later).
+    fn upload_layer(
+        ctx: &GpuContext,
+        l: usize,
+        w: &crate::weights::LayerWeights,
+    ) -> Result<GpuLayer> {
+        let name = |s: &str| format!("layer {l} {s}");
+        let optional = |b: &Option<Vec<f32>>, s: &str| b.as_ref().map(|v| f32s(ctx, &name(s), v));
+        Ok(GpuLayer {
+            input_norm: f32s(ctx, &name("input norm"), &w.input_norm),
+            post_attention_norm: f32s(ctx, &name("post norm"), &w.post_attention_norm),
+            q: GpuMatrix::upload(ctx, &name("q"), &w.q)?,
+            k: GpuMatrix::upload(ctx, &name("k"), &w.k)?,
+            v: GpuMatrix::upload(ctx, &name("v"), &w.v)?,
+            o: GpuMatrix::upload(ctx, &name("o"), &w.o)?,
+            q_bias: optional(&w.q_bias, "q bias"),
+            k_bias: optional(&w.k_bias, "k bias"),
+            v_bias: optional(&w.v_bias, "v bias"),
+            o_bias: optional(&w.o_bias, "o bias"),
+            sinks: f32s(ctx, &name("sinks"), &w.sinks),
+            router: GpuMatrix::upload(ctx, &name("router"), &w.router)?,
+            router_bias: f32s(ctx, &name("router bias"), &w.router_bias),
+            experts: None,
+        })
+    }
+
     fn build(ctx: GpuContext, model: &'m Model, options: GpuTierOptions) -> Result<GpuModel<'m>> {
         let (cfg, weights) = (&model.config, &model.weights);
-        ctx.check_fits(weights.bytes() as u64 - expert_bytes_of(weights))?;
         if options.top_logits > MAX_GPU_TOP_LOGITS {
             return Err(Error::InvalidArgument(format!(
                 "the GPU reports at most {MAX_GPU_TOP_LOGITS} logits per step ({} asked); use --backend cpu for more",
@@ -384,30 +418,74 @@ impl<'m> GpuModel<'m> {
             max_block: options.max_block.max(1),
             ..options
         };
-        let mut layers = Vec::with_capacity(weights.layers.len());
-        for (l, w) in weights.layers.iter().enumerate() {
-            let name = |s: &str| format!("layer {l} {s}");
-            let optional =
-                |b: &Option<Vec<f32>>, s: &str| b.as_ref().map(|v| f32s(&ctx, &name(s), v));
-            layers.push(GpuLayer {
-                input_norm: f32s(&ctx, &name("input norm"), &w.input_norm),
-                post_attention_norm: f32s(&ctx, &name("post norm"), &w.post_attention_norm),
-                q: GpuMatrix::upload(&ctx, &name("q"), &w.q)?,
-                k: GpuMatrix::upload(&ctx, &name("k"), &w.k)?,
-                v: GpuMatrix::upload(&ctx, &name("v"), &w.v)?,
-                o: GpuMatrix::upload(&ctx, &name("o"), &w.o)?,
-                q_bias: optional(&w.q_bias, "q bias"),
-                k_bias: optional(&w.k_bias, "k bias"),
-                v_bias: optional(&w.v_bias, "v bias"),
-                o_bias: optional(&w.o_bias, "o bias"),
-                sinks: f32s(&ctx, &name("sinks"), &w.sinks),
-                router: GpuMatrix::upload(&ctx, &name("router"), &w.router)?,
-                router_bias: f32s(&ctx, &name("router bias"), &w.router_bias),
-                experts: None,
-            });
+        // Dense weights first: the embeddings, then layer by layer while they fit (a software
+        // adapter's memory is the host's: half of what is available; a GPU says when it is out
+        // of memory), then the head if every layer fit.
+        let dense_of = |w: &crate::weights::LayerWeights| -> u64 {
+            [&w.q, &w.k, &w.v, &w.o, &w.router]
+                .iter()
+                .map(|m| m.data.bytes().len() as u64)
+                .sum()
+        };
+        let mut room = match crate::experts::available_memory_bytes() {
+            Some(a) if ctx.adapter.device_type == "Cpu" => a / 2,
+            _ => u64::MAX,
+        };
+        let mut take = |bytes: u64| -> bool {
+            let fits = bytes <= room;
+            room = room.saturating_sub(bytes);
+            fits
+        };
+        if !take(weights.embeddings.data.bytes().len() as u64) {
+            ctx.check_fits(weights.embeddings.data.bytes().len() as u64 * 2)?;
         }
         let embeddings = GpuMatrix::upload(&ctx, "embeddings", &weights.embeddings)?;
-        let lm_head = GpuMatrix::upload(&ctx, "lm_head", &weights.lm_head)?;
+        let wanted = options
+            .gpu_layers
+            .unwrap_or(cfg.num_layers)
+            .min(cfg.num_layers);
+        let mut layers = Vec::with_capacity(wanted);
+        for (l, w) in weights.layers.iter().enumerate().take(wanted) {
+            if options.gpu_layers.is_none() && !take(dense_of(w)) {
+                break;
+            }
+            let layer = catching_oom(&ctx.device, &format!("layer {l}"), || {
+                Self::upload_layer(&ctx, l, w)
+            });
+            match layer {
+                Ok(layer) => layers.push(layer),
+                Err(e) if options.gpu_layers.is_none() => {
+                    log::info!("{e}: the CPU tier runs layers {l} and up");
+                    break;
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        if layers.is_empty() {
+            return Err(Error::Gpu(if options.gpu_layers == Some(0) {
+                "--gpu-layers 0 leaves the GPU nothing to run (use --backend cpu)".into()
+            } else {
+                "not even one layer's dense weights fit in GPU memory".into()
+            }));
+        }
+        let lm_head =
+            if layers.len() == cfg.num_layers && take(weights.lm_head.data.bytes().len() as u64) {
+                catching_oom(&ctx.device, "lm_head", || {
+                    GpuMatrix::upload(&ctx, "lm_head", &weights.lm_head)
+                })
+                .inspect_err(|e| log::info!("{e}: the CPU tier runs the head"))
+                .ok()
+            } else {
+                None
+            };
+        if layers.len() < cfg.num_layers {
+            log::info!(
+                "the GPU runs layers 0..{}, the CPU tier layers {}..{} and the head",
+                layers.len(),
+                layers.len(),
+                cfg.num_layers
+            );
+        }
         let final_norm = f32s(&ctx, "final norm", &weights.final_norm);
 
         let b = options.max_block;
@@ -451,7 +529,7 @@ impl<'m> GpuModel<'m> {
             staging: ctx.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("top staging"),
                 // The top-k, then (every expert resident) every layer's routing ids.
-                size: top_bytes + f(cfg.num_layers * b * k),
+                size: top_bytes + f(layers.len() * b * k),
                 usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
             }),
@@ -463,14 +541,20 @@ impl<'m> GpuModel<'m> {
             pool: None,
             used_slots: Vec::new(),
             placement: (0..cfg.num_layers)
-                .map(|layer| LayerPlacement {
-                    layer,
-                    attention: "gpu",
-                    experts: "gpu",
-                    residual: "gpu",
-                    ..Default::default()
+                .map(|layer| {
+                    let tier = if layer < layers.len() { "gpu" } else { "cpu" };
+                    LayerPlacement {
+                        layer,
+                        attention: tier,
+                        experts: tier,
+                        residual: tier,
+                        ..Default::default()
+                    }
                 })
                 .collect(),
+            cpu_cache: (layers.len() < cfg.num_layers)
+                .then(|| super::KvCache::new(cfg, options.context)),
+            cpu_last_hidden: Vec::new(),
             rope: RopeTable::new(cfg),
             config: cfg.clone(),
             options,
@@ -487,7 +571,7 @@ impl<'m> GpuModel<'m> {
             debug: std::env::var("PICCHIO_GPU_DEBUG").is_ok_and(|v| v == "1"),
             ctx,
         };
-        gpu.kv = (0..cfg.num_layers)
+        gpu.kv = (0..gpu.layers.len())
             .map(|l| gpu.new_kv(l, 0))
             .collect::<Result<_>>()?;
         Ok(gpu)
@@ -497,7 +581,7 @@ impl<'m> GpuModel<'m> {
     /// does. `Auto` tries every expert, then halves the cache until the device takes it.
     fn place_experts_in_vram(&mut self) -> Result<()> {
         let (cfg, weights) = (&self.model.config, &self.model.weights);
-        let total = cfg.num_layers * cfg.num_experts;
+        let total = self.layers.len() * cfg.num_experts;
         let first = &weights.layers[0];
         // An empty pool tells whether these experts can be cached at all.
         let probe = (
@@ -557,7 +641,7 @@ impl<'m> GpuModel<'m> {
         );
         if self.pool.is_none() {
             let bytes =
-                (cfg.num_layers * self.options.max_block * cfg.experts_per_token * 4) as u64;
+                (self.layers.len() * self.options.max_block * cfg.experts_per_token * 4) as u64;
             self.act.routing_trace = Some(self.ctx.zeroed("routing trace", bytes)?);
         }
         self.plans.clear();
@@ -682,6 +766,12 @@ impl<'m> GpuModel<'m> {
     /// Experts in the VRAM cache's slots, when there is a cache (else every expert is resident).
     pub fn cached_experts(&self) -> Option<usize> {
         self.pool.as_ref().map(ExpertPool::slots)
+    }
+
+    /// Experts held in VRAM: the cache's slots, or every expert of the GPU's layers.
+    pub fn vram_experts(&self) -> usize {
+        self.cached_experts()
+            .unwrap_or(self.layers.len() * self.config.num_experts)
     }
 
     /// Where each layer ran so far.
@@ -941,6 +1031,8 @@ impl<'m> GpuModel<'m> {
             add(
                 &mut steps,
                 self.lm_head
+                    .as_ref()
+                    .ok_or_else(|| Error::Gpu("the head is not on the GPU".into()))?
                     .prepare(ctx, &a.final_normed, 1, None, &a.logits, &a.dummy)?,
             );
             add(
@@ -966,7 +1058,7 @@ impl<'m> GpuModel<'m> {
                     from_offset: 0,
                     to: a.staging.clone(),
                     to_offset: (8 * self.options.top_logits) as u64,
-                    bytes: (cfg.num_layers * n * k * 4) as u64,
+                    bytes: (self.layers.len() * n * k * 4) as u64,
                 });
             }
         }
@@ -987,8 +1079,13 @@ impl<'m> GpuModel<'m> {
         validate_tokens(&self.config, self.len, tokens, self.options.context)?;
         let blocks: Vec<&[u32]> = tokens.chunks(self.options.max_block).collect();
         let last = blocks.len() - 1;
+        let gpu_head = self.lm_head.is_some();
         for (b, block) in blocks.into_iter().enumerate() {
-            self.run_block(block, b == last)?;
+            self.run_block(block, gpu_head && b == last, None)?;
+        }
+        if !gpu_head {
+            let logits = self.model.head(&self.cpu_last_hidden);
+            return Ok(super::generate::step_of(&logits, top_logits));
         }
         let top = self.read_top()?;
         let margin = if top.len() >= 2 {
@@ -1003,7 +1100,14 @@ impl<'m> GpuModel<'m> {
         })
     }
 
-    fn run_block(&mut self, tokens: &[u32], head: bool) -> Result<()> {
+    /// Runs a block through the GPU's layers (and its head when `head`), then through the CPU
+    /// tier's layers if it has some (recording them in `cpu_trace`).
+    fn run_block(
+        &mut self,
+        tokens: &[u32],
+        head: bool,
+        cpu_trace: Option<&mut Vec<super::LayerTrace>>,
+    ) -> Result<()> {
         let n = tokens.len();
         let needed = self.len + n;
         self.scoped(|model| model.ensure_kv(needed))?;
@@ -1043,13 +1147,25 @@ impl<'m> GpuModel<'m> {
         self.last_block = n;
         if let (None, Some(trace), false) = (&self.pool, &self.act.routing_trace, head) {
             // Blocks without a head have no readback of their own: count their routing here.
-            let bytes = (self.config.num_layers * n * self.config.experts_per_token * 4) as u64;
+            let bytes = (self.layers.len() * n * self.config.experts_per_token * 4) as u64;
             let ids: Vec<u32> = bytemuck::pod_collect_to_vec(&self.ctx.read_back(trace, bytes)?);
             self.counters.readbacks += 1;
             self.count_resident_routing(&ids);
         }
         if self.ctx.is_lost() {
             return Err(Error::Gpu("the GPU device was lost".into()));
+        }
+        if let Some(cache) = &mut self.cpu_cache {
+            // The residual stream moves to the CPU for the layers the GPU does not hold.
+            let h = self.config.hidden_size;
+            let bytes = self.ctx.read_back(&self.act.hidden, (n * h * 4) as u64)?;
+            let mut hidden: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
+            self.counters.readbacks += 1;
+            let layers = self.layers.len()..self.config.num_layers;
+            self.model
+                .run_layers(cache, &mut hidden, layers, cpu_trace)?;
+            cache.advance(n);
+            self.cpu_last_hidden = hidden[(n - 1) * h..].to_vec();
         }
         Ok(())
     }
@@ -1286,7 +1402,7 @@ impl<'m> GpuModel<'m> {
         let top_bytes = 8 * self.options.top_logits;
         let counting = self.pool.is_none() && self.act.routing_trace.is_some();
         let routing_bytes = if counting {
-            self.config.num_layers * self.last_block * self.config.experts_per_token * 4
+            self.layers.len() * self.last_block * self.config.experts_per_token * 4
         } else {
             0
         };
@@ -1307,7 +1423,7 @@ impl<'m> GpuModel<'m> {
     /// by block, for A/B comparisons: `[layer][position][slot]`. Leaves the cache holding the prompt.
     pub fn trace_routing(&mut self, prompt: &[u32]) -> Result<Vec<Vec<Vec<u32>>>> {
         let (layers, k, block) = (
-            self.config.num_layers,
+            self.layers.len(),
             self.config.experts_per_token,
             self.options.max_block,
         );
@@ -1323,18 +1439,28 @@ impl<'m> GpuModel<'m> {
         };
         self.act.routing_trace = Some(trace.clone());
         self.plans.clear();
-        let mut routing: Vec<Vec<Vec<u32>>> = vec![Vec::new(); layers];
+        let mut routing: Vec<Vec<Vec<u32>>> = vec![Vec::new(); self.config.num_layers];
         let mut result = Ok(());
         for chunk in prompt.chunks(block) {
-            result = self.run_block(chunk, false).and_then(|()| {
-                let used = layers * chunk.len() * k;
-                let ids: Vec<u32> =
-                    bytemuck::pod_collect_to_vec(&self.ctx.read_back(&trace, (used * 4) as u64)?);
-                for (l, layer) in ids.chunks(chunk.len() * k).enumerate() {
-                    routing[l].extend(layer.chunks(k).map(|slots| slots.to_vec()));
-                }
-                Ok(())
-            });
+            let mut cpu_layers = Vec::new();
+            result =
+                self.run_block(chunk, false, Some(&mut cpu_layers))
+                    .and_then(|()| {
+                        let used = layers * chunk.len() * k;
+                        let ids: Vec<u32> = bytemuck::pod_collect_to_vec(
+                            &self.ctx.read_back(&trace, (used * 4) as u64)?,
+                        );
+                        for (l, layer) in ids.chunks(chunk.len() * k).enumerate() {
+                            routing[l].extend(layer.chunks(k).map(|slots| slots.to_vec()));
+                        }
+                        // Layers the CPU tier ran: their routing, as ids.
+                        for (trace, l) in cpu_layers.iter().zip(layers..) {
+                            routing[l].extend(trace.routings.iter().map(|r| {
+                                r.experts.iter().map(|&e| e as u32).collect::<Vec<u32>>()
+                            }));
+                        }
+                        Ok(())
+                    });
             if result.is_err() {
                 break;
             }
@@ -1372,5 +1498,13 @@ impl<'m> GpuModel<'m> {
     /// Forgets every position (the next feed starts at 0).
     pub fn reset(&mut self) {
         self.len = 0;
+        if let Some(cache) = &mut self.cpu_cache {
+            *cache = super::KvCache::new(&self.config, self.options.context);
+        }
+    }
+
+    /// Decoder layers the GPU runs (the first ones); the CPU tier runs the rest.
+    pub fn gpu_layers(&self) -> usize {
+        self.layers.len()
     }
 }

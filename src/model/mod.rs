@@ -143,31 +143,51 @@ impl Model {
         &self,
         cache: &mut KvCache,
         tokens: &[u32],
-        mut trace: Option<&mut Vec<LayerTrace>>,
+        trace: Option<&mut Vec<LayerTrace>>,
     ) -> Result<Vec<f32>> {
         let cfg = &self.config;
-        let (h, n) = (cfg.hidden_size, tokens.len());
         let start = cache.len();
         generate::validate_tokens(cfg, start, tokens, cache.context())?;
+        let mut hidden = self.embed(tokens);
+        self.run_layers(cache, &mut hidden, 0..cfg.num_layers, trace)?;
+        cache.advance(tokens.len());
+        Ok(self.head(&hidden))
+    }
 
+    /// Embedding rows of `tokens` (already validated), `[n, hidden]`.
+    pub fn embed(&self, tokens: &[u32]) -> Vec<f32> {
         let embeddings = &self.weights.embeddings;
-        let mut hidden: Vec<f32> = tokens
+        tokens
             .iter()
             .flat_map(|&id| {
                 crate::cpu::formats::decode_floats(embeddings.format, embeddings.row(id as usize))
             })
-            .collect();
-        let mut normed = vec![0f32; n * h];
-        for (l, layer) in self.weights.layers.iter().enumerate() {
-            rms_norm(&hidden, &layer.input_norm, cfg.rms_norm_eps, &mut normed);
+            .collect()
+    }
+
+    /// Runs decoder layers `layers` over the residual stream `hidden` of a block placed at
+    /// `cache.len()..`, storing their keys and values (the caller advances the cache).
+    pub fn run_layers(
+        &self,
+        cache: &mut KvCache,
+        hidden: &mut [f32],
+        layers: std::ops::Range<usize>,
+        mut trace: Option<&mut Vec<LayerTrace>>,
+    ) -> Result<()> {
+        let cfg = &self.config;
+        let start = cache.len();
+        let mut normed = vec![0f32; hidden.len()];
+        for l in layers {
+            let layer = &self.weights.layers[l];
+            rms_norm(hidden, &layer.input_norm, cfg.rms_norm_eps, &mut normed);
             let started = std::time::Instant::now();
             let attention = self.attention(l, layer, cache, start, &normed);
             CpuTimings::add(&self.timings.attention_us, started);
-            add_into(&mut hidden, &attention);
-            let after_attention = trace.is_some().then(|| hidden.clone());
+            add_into(hidden, &attention);
+            let after_attention = trace.is_some().then(|| hidden.to_vec());
 
             rms_norm(
-                &hidden,
+                hidden,
                 &layer.post_attention_norm,
                 cfg.rms_norm_eps,
                 &mut normed,
@@ -175,19 +195,24 @@ impl Model {
             let started = std::time::Instant::now();
             let (moe, routings) = self.moe(l, layer, &normed)?;
             CpuTimings::add(&self.timings.experts_us, started);
-            add_into(&mut hidden, &moe);
+            add_into(hidden, &moe);
             if let (Some(trace), Some(after_attention)) = (trace.as_deref_mut(), after_attention) {
                 trace.push(LayerTrace {
                     after_attention,
                     routings,
-                    after_moe: hidden.clone(),
+                    after_moe: hidden.to_vec(),
                 });
             }
         }
-        cache.advance(n);
+        Ok(())
+    }
 
+    /// Logits of the last position of `hidden`: final norm, then lm_head.
+    pub fn head(&self, hidden: &[f32]) -> Vec<f32> {
+        let cfg = &self.config;
+        let h = cfg.hidden_size;
         let started = std::time::Instant::now();
-        let last = &hidden[(n - 1) * h..];
+        let last = &hidden[hidden.len() - h..];
         let mut final_hidden = vec![0f32; h];
         rms_norm(
             last,
@@ -198,7 +223,7 @@ impl Model {
         let mut logits = vec![0f32; cfg.vocab_size];
         dense_matmul(&self.weights.lm_head, &final_hidden, None, &mut logits);
         CpuTimings::add(&self.timings.head_us, started);
-        Ok(logits)
+        logits
     }
 
     /// Self-attention of a block of `n` positions starting at `start`; stores their keys/values.
