@@ -185,26 +185,6 @@ impl GpuContext {
         })
     }
 
-    /// Whether `bytes` of buffers are plausible on this adapter. Software adapters allocate host
-    /// memory, so more than half of what the system has available would end in the OOM killer
-    /// rather than in an error; hardware adapters are trusted to report out-of-memory.
-    pub fn check_fits(&self, bytes: u64) -> Result<()> {
-        if self.adapter.device_type != "Cpu" {
-            return Ok(());
-        }
-        if let Some(available) = crate::experts::available_memory_bytes()
-            && bytes > available / 2
-        {
-            return Err(Error::Gpu(format!(
-                "{:.2} GB of weights do not fit the software adapter {} (it uses host memory: {:.2} GB available)",
-                bytes as f64 / 1e9,
-                self.adapter.name,
-                available as f64 / 1e9
-            )));
-        }
-        Ok(())
-    }
-
     /// True once the driver reported the device lost.
     pub fn is_lost(&self) -> bool {
         self.lost.load(Ordering::SeqCst)

@@ -436,8 +436,13 @@ impl<'m> GpuModel<'m> {
             room = room.saturating_sub(bytes);
             fits
         };
-        if !take(weights.embeddings.data.bytes().len() as u64) {
-            ctx.check_fits(weights.embeddings.data.bytes().len() as u64 * 2)?;
+        let embedding_bytes = weights.embeddings.data.bytes().len() as u64;
+        if !take(embedding_bytes) {
+            return Err(Error::Gpu(format!(
+                "the embeddings ({:.2} GB) do not fit the software adapter {} (it uses host memory)",
+                embedding_bytes as f64 / 1e9,
+                ctx.adapter.name
+            )));
         }
         let embeddings = GpuMatrix::upload(&ctx, "embeddings", &weights.embeddings)?;
         let wanted = options
