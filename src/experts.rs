@@ -133,6 +133,12 @@ pub struct ExpertCounters {
     /// Bytes copied into the VRAM cache, and the microseconds that took.
     pub upload_bytes: AtomicU64,
     pub upload_us: AtomicU64,
+    /// Prefetch reads queued, their bytes once read, prefetched experts a request then used,
+    /// and bytes of prefetched experts dropped unused.
+    pub prefetch_issued: AtomicU64,
+    pub prefetch_bytes: AtomicU64,
+    pub prefetch_used: AtomicU64,
+    pub prefetch_wasted_bytes: AtomicU64,
 }
 
 /// A copy of the counters at one moment.
@@ -151,6 +157,20 @@ pub struct ExpertStats {
     pub io_wait_ms: f64,
     pub upload_bytes: u64,
     pub upload_ms: f64,
+    pub prefetch: PrefetchStats,
+}
+
+/// What prefetching did (its reads are not in `disk_reads`/`disk_bytes`, which count reads a
+/// request waited for: requests = vram_hits + ram_hits + disk_reads either way).
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct PrefetchStats {
+    pub issued: u64,
+    /// Bytes the prefetch reads brought in.
+    pub bytes: u64,
+    /// Prefetched experts a layer's real routing then chose.
+    pub used: u64,
+    /// Bytes of prefetched experts evicted or dropped before any use, or still unused.
+    pub wasted_bytes: u64,
 }
 
 impl ExpertStats {
@@ -167,6 +187,15 @@ impl ExpertStats {
             io_wait_ms: self.io_wait_ms - earlier.io_wait_ms,
             upload_bytes: self.upload_bytes - earlier.upload_bytes,
             upload_ms: self.upload_ms - earlier.upload_ms,
+            prefetch: PrefetchStats {
+                issued: self.prefetch.issued - earlier.prefetch.issued,
+                bytes: self.prefetch.bytes - earlier.prefetch.bytes,
+                used: self.prefetch.used - earlier.prefetch.used,
+                wasted_bytes: self
+                    .prefetch
+                    .wasted_bytes
+                    .saturating_sub(earlier.prefetch.wasted_bytes),
+            },
         }
     }
 }
@@ -388,6 +417,13 @@ fn io_stopped() -> Error {
 
 struct Lru {
     entries: HashMap<ExpertKey, (Arc<ExpertData>, u64)>,
+    /// Prefetch reads under way.
+    in_flight: HashMap<ExpertKey, flume::Receiver<Result<Arc<ExpertData>>>>,
+    /// Prefetched experts in `entries` no request has used yet.
+    unused: std::collections::HashSet<ExpertKey>,
+    /// The clock when the latest request began: entries used since are the current layer's,
+    /// which prefetched experts never evict.
+    protect_since: u64,
     /// Hot experts loaded at start-up: never evicted.
     pinned: std::collections::HashSet<ExpertKey>,
     bytes: u64,
@@ -427,6 +463,8 @@ pub struct Pending(PendingState);
 enum PendingState {
     Ready(Arc<ExpertData>),
     Reading(ExpertKey, flume::Receiver<Result<Arc<ExpertData>>>),
+    /// A prefetch read under way that a request now wants.
+    Prefetched(ExpertKey, flume::Receiver<Result<Arc<ExpertData>>>),
 }
 
 /// The experts of a model: disk -> RAM LRU, read by IO threads.
@@ -522,6 +560,9 @@ impl ExpertStore {
             jobs,
             cache: Mutex::new(Lru {
                 entries: HashMap::new(),
+                in_flight: HashMap::new(),
+                unused: Default::default(),
+                protect_since: 0,
                 pinned: Default::default(),
                 bytes: 0,
                 clock: 0,
@@ -754,6 +795,20 @@ impl ExpertStore {
             io_wait_ms: c.io_wait_us.load(Ordering::Relaxed) as f64 / 1000.0,
             upload_bytes: c.upload_bytes.load(Ordering::Relaxed),
             upload_ms: c.upload_us.load(Ordering::Relaxed) as f64 / 1000.0,
+            prefetch: PrefetchStats {
+                issued: c.prefetch_issued.load(Ordering::Relaxed),
+                bytes: c.prefetch_bytes.load(Ordering::Relaxed),
+                used: c.prefetch_used.load(Ordering::Relaxed),
+                // Prefetched experts still waiting for a use count as waste until used.
+                wasted_bytes: c.prefetch_wasted_bytes.load(Ordering::Relaxed) + {
+                    let lru = self.cache.lock().unwrap();
+                    lru.unused
+                        .iter()
+                        .filter_map(|k| lru.entries.get(k))
+                        .map(|(d, _)| d.bytes as u64)
+                        .sum::<u64>()
+                },
+            },
         }
     }
 
@@ -812,26 +867,97 @@ impl ExpertStore {
             self.usage[layer * self.experts_per_layer + expert].fetch_add(1, Ordering::Relaxed);
         }
         let mut requests = Vec::with_capacity(experts.len());
+        self.collect_prefetched();
         let mut lru = self.cache.lock().unwrap();
+        lru.protect_since = lru.clock + 1;
         for &expert in experts {
             let key = ExpertKey { layer, expert };
             lru.clock += 1;
             let now = lru.clock;
+            let prefetched = lru.unused.remove(&key);
             match lru.entries.get_mut(&key) {
                 Some((data, used)) => {
                     *used = now;
                     c.requests.fetch_add(1, Ordering::Relaxed);
                     c.ram_hits.fetch_add(1, Ordering::Relaxed);
+                    if prefetched {
+                        c.prefetch_used.fetch_add(1, Ordering::Relaxed);
+                    }
                     requests.push(Pending(PendingState::Ready(data.clone())));
                 }
-                None => {
-                    let (reply, answer) = flume::bounded(1);
-                    self.jobs.send((key, reply)).map_err(|_| io_stopped())?;
-                    requests.push(Pending(PendingState::Reading(key, answer)));
-                }
+                None => match lru.in_flight.remove(&key) {
+                    Some(answer) => {
+                        requests.push(Pending(PendingState::Prefetched(key, answer)));
+                    }
+                    None => {
+                        let (reply, answer) = flume::bounded(1);
+                        self.jobs.send((key, reply)).map_err(|_| io_stopped())?;
+                        requests.push(Pending(PendingState::Reading(key, answer)));
+                    }
+                },
             }
         }
         Ok(requests)
+    }
+
+    /// Starts reading `experts` of `layer` that are neither cached nor being read, for a later
+    /// request; they enter the RAM cache when they arrive, evicting only experts the current
+    /// layer did not ask for. Returns how many reads were queued. With no RAM budget nothing is
+    /// prefetched (there is nowhere to keep it).
+    pub fn prefetch(&self, layer: usize, experts: &[usize]) -> Result<usize> {
+        if self.budget < self.expert_bytes {
+            return Ok(0);
+        }
+        let mut lru = self.cache.lock().unwrap();
+        let mut issued = 0;
+        for &expert in experts {
+            let key = ExpertKey { layer, expert };
+            if lru.entries.contains_key(&key) || lru.in_flight.contains_key(&key) {
+                continue;
+            }
+            let (reply, answer) = flume::bounded(1);
+            self.jobs.send((key, reply)).map_err(|_| io_stopped())?;
+            lru.in_flight.insert(key, answer);
+            issued += 1;
+        }
+        self.counters
+            .prefetch_issued
+            .fetch_add(issued as u64, Ordering::Relaxed);
+        Ok(issued)
+    }
+
+    /// Moves prefetch reads that have arrived into the cache.
+    fn collect_prefetched(&self) {
+        let arrived: Vec<(ExpertKey, Result<Arc<ExpertData>>)> = {
+            let mut lru = self.cache.lock().unwrap();
+            let done: Vec<ExpertKey> = lru
+                .in_flight
+                .iter()
+                .filter(|(_, answer)| !answer.is_empty() || answer.is_disconnected())
+                .map(|(key, _)| *key)
+                .collect();
+            done.into_iter()
+                .filter_map(|key| {
+                    let answer = lru.in_flight.remove(&key)?;
+                    Some((key, answer.recv().unwrap_or_else(|_| Err(io_stopped()))))
+                })
+                .collect()
+        };
+        for (key, data) in arrived {
+            // A failed prefetch is forgotten: the request reads the expert itself and reports.
+            if let Ok(data) = data {
+                self.counters
+                    .prefetch_bytes
+                    .fetch_add(data.bytes as u64, Ordering::Relaxed);
+                if self.insert_with(key, &data, true) {
+                    self.cache.lock().unwrap().unused.insert(key);
+                } else {
+                    self.counters
+                        .prefetch_wasted_bytes
+                        .fetch_add(data.bytes as u64, Ordering::Relaxed);
+                }
+            }
+        }
     }
 
     /// The expert of a request, waiting for its read if it is still under way.
@@ -850,38 +976,79 @@ impl ExpertStore {
                 self.insert(key, &data);
                 Ok(data)
             }
+            PendingState::Prefetched(key, answer) => {
+                // The read was a prefetch's: a hit that arrived late (its wait is IO wait).
+                let c = &self.counters;
+                let started = Instant::now();
+                let data = answer.recv().map_err(|_| io_stopped())?;
+                c.io_wait_us
+                    .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+                let data = match data {
+                    Ok(data) => data,
+                    // The prefetch failed: read it again, as any request would.
+                    Err(_) => {
+                        let (reply, answer) = flume::bounded(1);
+                        self.jobs.send((key, reply)).map_err(|_| io_stopped())?;
+                        return self.wait(Pending(PendingState::Reading(key, answer)));
+                    }
+                };
+                c.prefetch_bytes
+                    .fetch_add(data.bytes as u64, Ordering::Relaxed);
+                c.requests.fetch_add(1, Ordering::Relaxed);
+                c.ram_hits.fetch_add(1, Ordering::Relaxed);
+                c.prefetch_used.fetch_add(1, Ordering::Relaxed);
+                self.insert(key, &data);
+                Ok(data)
+            }
         }
     }
 
     /// Caches `data` within the budget, evicting the least recently used experts.
     fn insert(&self, key: ExpertKey, data: &Arc<ExpertData>) {
+        self.insert_with(key, data, false);
+    }
+
+    /// Caches `data`, evicting the least recently used experts, never pinned ones and, for a
+    /// `prefetched` expert, never one the current layer asked for. False when it was not cached.
+    fn insert_with(&self, key: ExpertKey, data: &Arc<ExpertData>, prefetched: bool) -> bool {
         let bytes = data.bytes as u64;
         if bytes > self.budget {
-            return;
+            return false;
         }
         let mut lru = self.cache.lock().unwrap();
         if lru.entries.contains_key(&key) {
-            return; // another fetch read it meanwhile
+            return true; // another fetch read it meanwhile
         }
+        let protect_since = if prefetched {
+            lru.protect_since
+        } else {
+            u64::MAX
+        };
         while lru.bytes + bytes > self.budget {
             let pinned = &lru.pinned;
             let Some((&victim, _)) = lru
                 .entries
                 .iter()
-                .filter(|(key, _)| !pinned.contains(key))
+                .filter(|(key, (_, used))| !pinned.contains(key) && *used < protect_since)
                 .min_by_key(|(_, (_, used))| *used)
             else {
-                return; // only pinned experts left: do not cache this one
+                return false; // only pinned or protected experts left: do not cache this one
             };
             if let Some((old, _)) = lru.entries.remove(&victim) {
                 lru.bytes -= old.bytes as u64;
                 self.counters.evictions.fetch_add(1, Ordering::Relaxed);
+                if lru.unused.remove(&victim) {
+                    self.counters
+                        .prefetch_wasted_bytes
+                        .fetch_add(old.bytes as u64, Ordering::Relaxed);
+                }
             }
         }
         lru.clock += 1;
         let now = lru.clock;
         lru.entries.insert(key, (data.clone(), now));
         lru.bytes += bytes;
+        true
     }
 
     /// Experts pinned at start-up.

@@ -93,6 +93,20 @@ struct PromptArgs {
     /// Default: as many as the dense weights fit in GPU memory.
     #[arg(long, value_name = "N")]
     gpu_layers: Option<usize>,
+    /// While a layer runs, guess the next layer's experts with its router and start reading
+    /// them into the RAM cache (never changes tokens).
+    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    prefetch: OnOff,
+    /// What stands in for the next layer's MoE input: a (this layer's MoE input, earliest) or b
+    /// (this layer's output through the next layer's norm, later). The GPU tier uses a.
+    #[arg(long, default_value = "a", value_name = "a|b")]
+    prefetch_proxy: picchio::model::PrefetchProxy,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum OnOff {
+    On,
+    Off,
 }
 
 impl PromptArgs {
@@ -113,6 +127,10 @@ impl PromptArgs {
             ram_budget: self.ram_budget,
             hot_experts: true,
             direct_io: self.direct_io,
+            prefetch: picchio::model::PrefetchOptions {
+                enabled: self.prefetch == OnOff::On,
+                proxy: self.prefetch_proxy,
+            },
             ..Default::default()
         };
         // Load errors name the file and tensor already.
@@ -362,6 +380,19 @@ fn run(cli: Cli) -> Result<()> {
                             "head": head_ms,
                         },
                         "placement": placement,
+                        "prefetch": {
+                            "enabled": loaded.prefetch.enabled,
+                            "proxy": loaded.prefetch.proxy.name(),
+                            "issued": experts.prefetch.issued,
+                            "used": experts.prefetch.used,
+                            "bytes": experts.prefetch.bytes,
+                            "wasted_bytes": experts.prefetch.wasted_bytes,
+                            "accuracy": loaded.prediction_accuracy(loaded.prefetch.proxy),
+                            "accuracy_by_proxy": {
+                                "a": loaded.prediction_accuracy(picchio::model::PrefetchProxy::A),
+                                "b": loaded.prediction_accuracy(picchio::model::PrefetchProxy::B),
+                            },
+                        },
                     });
                 }
                 println!("{object}");

@@ -274,3 +274,77 @@ fn layers_split_between_the_gpu_and_the_cpu_give_transformers_tokens() {
         }
     }
 }
+
+#[test]
+fn prefetch_never_changes_tokens_and_guesses_better_than_chance() {
+    use picchio::model::{PrefetchOptions, PrefetchProxy};
+    for dir in fixture_dirs() {
+        let reference = reference(&dir);
+        for (proxy, on_gpu) in [
+            (PrefetchProxy::A, false),
+            (PrefetchProxy::B, false),
+            (PrefetchProxy::A, true),
+        ] {
+            // A RAM cache of half the experts: the next layer's guesses have somewhere to go
+            // and real misses remain.
+            let model = Model::load_with(
+                &dir,
+                &ModelOptions {
+                    ram_budget: RamBudget::Percent(50.0),
+                    prefetch: PrefetchOptions {
+                        enabled: true,
+                        proxy,
+                    },
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let what = format!("{} (proxy {proxy:?}, gpu {on_gpu})", dir.display());
+            let out = if on_gpu {
+                let Some(ctx) = gpu(None) else {
+                    return;
+                };
+                let options = GpuTierOptions {
+                    context: 4096,
+                    top_logits: 10,
+                    vram_budget: VramBudget::Percent(25.0),
+                    ..Default::default()
+                };
+                let mut session = GpuModel::new(ctx, &model, options).unwrap();
+                generate_with(
+                    &mut session,
+                    &model.config,
+                    &reference.prompt_ids,
+                    &greedy_options(32),
+                )
+            } else {
+                picchio::model::generate::generate(
+                    &model,
+                    &reference.prompt_ids,
+                    &greedy_options(32),
+                )
+            }
+            .unwrap();
+            assert_eq!(out.generated_ids, reference.generated_ids, "{what}");
+            let s = model.experts.stats();
+            assert_eq!(
+                s.requests,
+                s.vram_hits + s.ram_hits + s.disk_reads,
+                "{what}: {s:?}"
+            );
+            assert!(s.prefetch.used <= s.prefetch.issued, "{what}: {s:?}");
+            if model.config.num_layers > 1 {
+                let accuracy = model.prediction_accuracy(proxy).unwrap();
+                let chance =
+                    model.config.experts_per_token as f64 / model.config.num_experts as f64;
+                eprintln!(
+                    "{what}: accuracy {accuracy:.3} (chance {chance:.3}), {:?}",
+                    s.prefetch
+                );
+                // Guesses run through the real router of the next layer: better than picking
+                // k of E at random (random tiny models barely beat it; trained ones do better).
+                assert!(accuracy > chance, "{what}: {accuracy} vs {chance}");
+            }
+        }
+    }
+}

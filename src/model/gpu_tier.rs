@@ -254,6 +254,8 @@ pub struct GpuModel<'m> {
     pool: Option<ExpertPool>,
     /// Cache slots the layer being run placed an expert in.
     used_slots: Vec<bool>,
+    /// The next layer's experts as guessed from this layer's MoE input (VRAM cache only).
+    guess: Option<Vec<Vec<usize>>>,
     placement: Vec<LayerPlacement>,
     config: Config,
     rope: RopeTable,
@@ -545,6 +547,7 @@ impl<'m> GpuModel<'m> {
             model,
             pool: None,
             used_slots: Vec::new(),
+            guess: None,
             placement: (0..cfg.num_layers)
                 .map(|layer| {
                     let tier = if layer < layers.len() { "gpu" } else { "cpu" };
@@ -1328,6 +1331,34 @@ impl<'m> GpuModel<'m> {
         // Every read starts before the first is awaited; each expert is used as it arrives.
         let fetched: Vec<usize> = uploads.iter().chain(&on_cpu).copied().collect();
         let requests = model.experts.request(l, &fetched)?;
+        // The guess made at the layer before, scored; then the next layer's, from this layer's
+        // MoE input (proxy A: the only one the host sees here), read behind this layer's.
+        let actual: Vec<crate::cpu::moe::Routing> = ids
+            .chunks(k)
+            .map(|slots| crate::cpu::moe::Routing {
+                experts: slots.iter().map(|&e| e as usize).collect(),
+                weights: Vec::new(),
+            })
+            .collect();
+        if let Some(guess) = self.guess.take() {
+            model.score_prediction(super::PrefetchProxy::A, &guess, &actual);
+        }
+        if l + 1 < self.layers.len() {
+            let guess = model.predict_experts(l + 1, &x, false)?;
+            if model.prefetch.enabled {
+                // Only what VRAM lacks: a cached expert never goes through RAM.
+                let pool = self.pool.as_ref().expect("checked above");
+                let mut wanted: Vec<usize> = guess.iter().flatten().copied().collect();
+                wanted.sort_unstable();
+                wanted.dedup();
+                wanted.retain(|&e| {
+                    let key = ExpertKey { layer: l + 1, expert: e };
+                    !pool.slot_of.contains_key(&key)
+                });
+                model.experts.prefetch(l + 1, &wanted)?;
+            }
+            self.guess = Some(guess);
+        }
         let layer = &model.weights.layers[l];
         let i = model.config.intermediate_size;
         let queue = &self.ctx.queue;

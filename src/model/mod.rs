@@ -42,6 +42,49 @@ pub struct Model {
     rope: RopeTable,
     /// Where the CPU tier's time went, for `--stats`.
     pub timings: CpuTimings,
+    pub prefetch: PrefetchOptions,
+    /// Per proxy (A, B): experts predicted right, and experts to predict.
+    prediction: [(std::sync::atomic::AtomicU64, std::sync::atomic::AtomicU64); 2],
+}
+
+/// What stands in for layer L+1's MoE input when guessing its experts during layer L.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub enum PrefetchProxy {
+    /// L's normalized MoE input: known as soon as L routes (earliest).
+    #[default]
+    A,
+    /// L's residual after its MoE, normalized with L+1's post-attention norm (closer, later).
+    B,
+}
+
+impl PrefetchProxy {
+    pub const ALL: [PrefetchProxy; 2] = [PrefetchProxy::A, PrefetchProxy::B];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PrefetchProxy::A => "a",
+            PrefetchProxy::B => "b",
+        }
+    }
+}
+
+impl std::str::FromStr for PrefetchProxy {
+    type Err = String;
+
+    fn from_str(text: &str) -> std::result::Result<PrefetchProxy, String> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "a" => Ok(PrefetchProxy::A),
+            "b" => Ok(PrefetchProxy::B),
+            _ => Err(format!("{text:?}: expected a or b")),
+        }
+    }
+}
+
+/// Router-guided prefetch of the next layer's experts into the RAM cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrefetchOptions {
+    pub enabled: bool,
+    pub proxy: PrefetchProxy,
 }
 
 /// Microseconds the CPU forward pass spent per part (expert time includes waiting for reads;
@@ -86,6 +129,7 @@ pub struct ModelOptions {
     pub hot_experts: bool,
     /// Read a converted expert store past the page cache (O_DIRECT).
     pub direct_io: bool,
+    pub prefetch: PrefetchOptions,
 }
 
 impl Default for ModelOptions {
@@ -95,6 +139,7 @@ impl Default for ModelOptions {
             io_threads: 4,
             hot_experts: false,
             direct_io: false,
+            prefetch: PrefetchOptions::default(),
         }
     }
 }
@@ -128,6 +173,8 @@ impl Model {
             experts,
             rope,
             timings: CpuTimings::default(),
+            prefetch: options.prefetch,
+            prediction: Default::default(),
         })
     }
 
@@ -177,6 +224,9 @@ impl Model {
         let cfg = &self.config;
         let start = cache.len();
         let mut normed = vec![0f32; hidden.len()];
+        let last_layer = layers.end.min(cfg.num_layers);
+        // Each proxy's guess at the next layer's experts, per token.
+        let mut predicted: [Option<Vec<Vec<usize>>>; 2] = [None, None];
         for l in layers {
             let layer = &self.weights.layers[l];
             rms_norm(hidden, &layer.input_norm, cfg.rms_norm_eps, &mut normed);
@@ -193,9 +243,33 @@ impl Model {
                 &mut normed,
             );
             let started = std::time::Instant::now();
-            let (moe, routings) = self.moe(l, layer, &normed)?;
+            let guesses = std::mem::take(&mut predicted);
+            let next = (l + 1 < last_layer).then_some(l + 1);
+            let mut guess_a = None;
+            let (moe, routings) = self.moe(l, layer, &normed, |routings| {
+                for (which, guess) in PrefetchProxy::ALL.into_iter().zip(&guesses) {
+                    if let Some(guess) = guess {
+                        self.score_prediction(which, guess, routings);
+                    }
+                }
+                // Proxy A: this layer's MoE input through the next layer's router.
+                if let Some(next) = next {
+                    let prefetch = self.prefetches_with(PrefetchProxy::A);
+                    guess_a = Some(self.predict_experts(next, &normed, prefetch)?);
+                }
+                Ok(())
+            })?;
             CpuTimings::add(&self.timings.experts_us, started);
             add_into(hidden, &moe);
+            predicted[0] = guess_a;
+            // Proxy B: the residual after this layer's MoE, normalized as the next layer will.
+            if let Some(next) = next {
+                let mut proxy = vec![0f32; hidden.len()];
+                let norm = &self.weights.layers[next].post_attention_norm;
+                rms_norm(hidden, norm, cfg.rms_norm_eps, &mut proxy);
+                let prefetch = self.prefetches_with(PrefetchProxy::B);
+                predicted[1] = Some(self.predict_experts(next, &proxy, prefetch)?);
+            }
             if let (Some(trace), Some(after_attention)) = (trace.as_deref_mut(), after_attention) {
                 trace.push(LayerTrace {
                     after_attention,
@@ -294,16 +368,17 @@ impl Model {
     /// The mixture of experts of a block: route every position, then run each chosen expert once
     /// over all positions that chose it. Each position sums its experts in ascending id order,
     /// as transformers does, so the result does not depend on the block size.
-    fn moe(&self, l: usize, layer: &LayerWeights, x: &[f32]) -> Result<(Vec<f32>, Vec<Routing>)> {
+    fn moe(
+        &self,
+        l: usize,
+        layer: &LayerWeights,
+        x: &[f32],
+        after_requests: impl FnOnce(&[Routing]) -> Result<()>,
+    ) -> Result<(Vec<f32>, Vec<Routing>)> {
         let cfg = &self.config;
         let h = cfg.hidden_size;
         let n = x.len() / h;
-        let mut logits = vec![0f32; n * cfg.num_experts];
-        dense_matmul(&layer.router, x, Some(&layer.router_bias), &mut logits);
-        let routings: Vec<Routing> = logits
-            .chunks_exact(cfg.num_experts)
-            .map(|l| route(l, cfg.experts_per_token))
-            .collect();
+        let routings = self.route_tokens(l, x);
 
         // The union of the block's choices, each expert fetched once (RAM or disk).
         let chosen: Vec<usize> = (0..cfg.num_experts)
@@ -312,6 +387,8 @@ impl Model {
         // All reads start now; each expert is computed as soon as its bytes are in, while the
         // IO threads read the next ones.
         let requests = self.experts.request(l, &chosen)?;
+        // Behind this layer's reads in the IO queue: what the next layer will want.
+        after_requests(&routings)?;
         let mut out = vec![0f32; n * h];
         for (&e, request) in chosen.iter().zip(requests) {
             let expert = self.experts.wait(request)?;
@@ -341,6 +418,76 @@ impl Model {
             }
         }
         Ok((out, routings))
+    }
+
+    /// Router `l`'s choice for each row of `x` (`[n, hidden]`).
+    pub fn route_tokens(&self, l: usize, x: &[f32]) -> Vec<Routing> {
+        let cfg = &self.config;
+        let layer = &self.weights.layers[l];
+        let n = x.len() / cfg.hidden_size;
+        let mut logits = vec![0f32; n * cfg.num_experts];
+        dense_matmul(&layer.router, x, Some(&layer.router_bias), &mut logits);
+        logits
+            .chunks_exact(cfg.num_experts)
+            .map(|l| route(l, cfg.experts_per_token))
+            .collect()
+    }
+
+    /// Guesses layer `l`'s experts for each row of `proxy` (a stand-in for its MoE input; the
+    /// guess is scored by `score_prediction` once `l` routes) and, with `prefetch`, starts
+    /// reading the guessed experts into the RAM cache.
+    pub fn predict_experts(
+        &self,
+        l: usize,
+        proxy: &[f32],
+        prefetch: bool,
+    ) -> Result<Vec<Vec<usize>>> {
+        let predicted: Vec<Vec<usize>> = self
+            .route_tokens(l, proxy)
+            .into_iter()
+            .map(|r| r.experts)
+            .collect();
+        if prefetch {
+            let mut union: Vec<usize> = predicted.iter().flatten().copied().collect();
+            union.sort_unstable();
+            union.dedup();
+            self.experts.prefetch(l, &union)?;
+        }
+        Ok(predicted)
+    }
+
+    /// Whether the CPU tier prefetches with `which` proxy.
+    fn prefetches_with(&self, which: PrefetchProxy) -> bool {
+        self.prefetch.enabled && self.prefetch.proxy == which
+    }
+
+    /// Adds how many of each token's `actual` experts `predicted` named to `which` proxy's score.
+    pub fn score_prediction(
+        &self,
+        which: PrefetchProxy,
+        predicted: &[Vec<usize>],
+        actual: &[Routing],
+    ) {
+        let hits: usize = predicted
+            .iter()
+            .zip(actual)
+            .map(|(p, a)| a.experts.iter().filter(|e| p.contains(e)).count())
+            .sum();
+        let slots: usize = actual.iter().map(|a| a.experts.len()).sum();
+        let (h, s) = &self.prediction[which as usize];
+        h.fetch_add(hits as u64, std::sync::atomic::Ordering::Relaxed);
+        s.fetch_add(slots as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Share of the actual experts each proxy predicted, over tokens and layers 1.. (None before
+    /// any prediction was scored).
+    pub fn prediction_accuracy(&self, which: PrefetchProxy) -> Option<f64> {
+        let (h, s) = &self.prediction[which as usize];
+        let (h, s) = (
+            h.load(std::sync::atomic::Ordering::Relaxed),
+            s.load(std::sync::atomic::Ordering::Relaxed),
+        );
+        (s > 0).then(|| h as f64 / s as f64)
     }
 
     /// Expert `e` of `layer` (weights in `expert`) applied to the rows of `xs`, bias included
