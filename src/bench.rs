@@ -24,6 +24,9 @@ pub struct BenchOptions {
     pub miss_policy: MissPolicy,
     /// Read a converted store's experts with O_DIRECT.
     pub direct_io: bool,
+    /// Prefetch settings to compare (each runs with every budget).
+    pub prefetch: Vec<bool>,
+    pub prefetch_proxy: crate::model::PrefetchProxy,
     pub prompt_tokens: usize,
     pub gen_tokens: usize,
     pub seed: u64,
@@ -36,6 +39,11 @@ pub struct BenchRun {
     pub ram_budget: String,
     pub ram_budget_bytes: u64,
     pub vram_budget: String,
+    pub prefetch: bool,
+    /// Share of the next layer's experts the prefetch proxy guessed (decode phase and prompt).
+    pub prefetch_accuracy: Option<f64>,
+    /// Prefetched experts the routing then used, per decoded token.
+    pub prefetch_used_per_token: f64,
     /// Bytes of the experts the GPU holds (null on the CPU tier).
     pub vram_budget_bytes: Option<u64>,
     pub prefill_tokens_per_s: f64,
@@ -44,7 +52,10 @@ pub struct BenchRun {
     pub vram_hit_rate: Option<f64>,
     /// RAM hits / expert requests in the decode phase (null when no expert was requested).
     pub ram_hit_rate: Option<f64>,
+    /// Bytes read from disk per decoded token: reads requests waited for plus prefetch reads.
     pub disk_bytes_per_token: f64,
+    /// Of which prefetch reads.
+    pub prefetch_bytes_per_token: f64,
     /// Bytes copied into the VRAM expert cache per decoded token.
     pub upload_bytes_per_token: f64,
     /// Share of decode time spent waiting for expert reads.
@@ -94,18 +105,28 @@ pub fn run_bench(
         BackendChoice::Cpu => vec![VramBudget::Auto],
         _ => options.vram_budgets.clone(),
     };
-    let configurations: Vec<(VramBudget, RamBudget)> = vram_budgets
+    let prefetch = if options.prefetch.is_empty() {
+        vec![false]
+    } else {
+        options.prefetch.clone()
+    };
+    let configurations: Vec<(VramBudget, RamBudget, bool)> = vram_budgets
         .iter()
-        .flat_map(|v| options.ram_budgets.iter().map(move |r| (*v, *r)))
+        .flat_map(|&v| options.ram_budgets.iter().map(move |&r| (v, r)))
+        .flat_map(|(v, r)| prefetch.iter().map(move |&p| (v, r, p)))
         .collect();
     let mut runs = Vec::new();
-    for (done, &(vram_budget, budget)) in configurations.iter().enumerate() {
+    for (done, &(vram_budget, budget, prefetch)) in configurations.iter().enumerate() {
         let peak_is_this_runs = reset_peak_rss();
         let model = Model::load_with(
             &options.model,
             &ModelOptions {
                 ram_budget: budget,
                 direct_io: options.direct_io,
+                prefetch: crate::model::PrefetchOptions {
+                    enabled: prefetch,
+                    proxy: options.prefetch_proxy,
+                },
                 ..Default::default()
             },
         )?;
@@ -148,11 +169,15 @@ pub fn run_bench(
                 .map(|g| g.vram_experts() as u64 * vram_bytes_per_expert(&model)),
             vram_hit_rate: if on_gpu { rate(decode.vram_hits) } else { None },
             upload_bytes_per_token: decode.upload_bytes as f64 / decoded,
+            prefetch,
+            prefetch_accuracy: model.prediction_accuracy(options.prefetch_proxy),
+            prefetch_used_per_token: decode.prefetch.used as f64 / decoded,
+            prefetch_bytes_per_token: decode.prefetch.bytes as f64 / decoded,
             prefill_tokens_per_s: options.prompt_tokens as f64
                 / (out.prefill_ms.max(1e-6) / 1000.0),
             decode_tokens_per_s: out.decode_tokens_per_s().unwrap_or(0.0),
             ram_hit_rate: rate(decode.ram_hits),
-            disk_bytes_per_token: decode.disk_bytes as f64 / decoded,
+            disk_bytes_per_token: (decode.disk_bytes + decode.prefetch.bytes) as f64 / decoded,
             io_wait_share: if out.decode_ms > 0.0 {
                 decode.io_wait_ms / out.decode_ms
             } else {
@@ -170,20 +195,22 @@ pub fn run_bench(
 /// The runs as CSV, one row each.
 pub fn to_csv(runs: &[BenchRun]) -> String {
     let mut out = String::from(
-        "backend,vram_budget_bytes,ram_budget_bytes,prefill_tokens_per_s,decode_tokens_per_s,vram_hit_rate,ram_hit_rate,disk_bytes_per_token,upload_bytes_per_token,io_wait_share,peak_rss_bytes\n",
+        "backend,vram_budget_bytes,ram_budget_bytes,prefetch,prefill_tokens_per_s,decode_tokens_per_s,vram_hit_rate,ram_hit_rate,disk_bytes_per_token,prefetch_bytes_per_token,upload_bytes_per_token,io_wait_share,peak_rss_bytes\n",
     );
     let rate = |h: Option<f64>| h.map_or(String::new(), |h| format!("{h:.4}"));
     for r in runs {
         out.push_str(&format!(
-            "{},{},{},{:.4},{:.4},{},{},{:.0},{:.0},{:.4},{}\n",
+            "{},{},{},{},{:.4},{:.4},{},{},{:.0},{:.0},{:.0},{:.4},{}\n",
             r.backend,
             r.vram_budget_bytes.map_or(String::new(), |b| b.to_string()),
             r.ram_budget_bytes,
+            r.prefetch,
             r.prefill_tokens_per_s,
             r.decode_tokens_per_s,
             rate(r.vram_hit_rate),
             rate(r.ram_hit_rate),
             r.disk_bytes_per_token,
+            r.prefetch_bytes_per_token,
             r.upload_bytes_per_token,
             r.io_wait_share,
             r.peak_rss_bytes.map_or(String::new(), |b| b.to_string()),

@@ -201,6 +201,12 @@ enum Command {
         /// Read a converted expert store with O_DIRECT (no page cache).
         #[arg(long)]
         direct_io: bool,
+        /// Prefetch settings to compare, comma-separated (on, off); each runs with every budget.
+        #[arg(long, value_enum, value_delimiter = ',', default_value = "off")]
+        prefetch: Vec<OnOff>,
+        /// The prefetch proxy for every run (a or b).
+        #[arg(long, default_value = "a")]
+        prefetch_proxy: picchio::model::PrefetchProxy,
         #[arg(long, default_value_t = 64)]
         prompt_tokens: usize,
         #[arg(long, default_value_t = 32)]
@@ -412,6 +418,8 @@ fn run(cli: Cli) -> Result<()> {
             vram_budgets,
             miss_policy,
             direct_io,
+            prefetch,
+            prefetch_proxy,
             prompt_tokens,
             gen_tokens,
             seed,
@@ -426,6 +434,8 @@ fn run(cli: Cli) -> Result<()> {
                 vram_budgets,
                 miss_policy,
                 direct_io,
+                prefetch: prefetch.iter().map(|p| *p == OnOff::On).collect(),
+                prefetch_proxy,
                 prompt_tokens,
                 gen_tokens,
                 seed,
@@ -732,10 +742,11 @@ fn bench(
         return Ok(());
     }
     println!(
-        "{:<8} {:>11} {:>11} {:>10} {:>10} {:>9} {:>9} {:>14} {:>14} {:>8} {:>10}",
+        "{:<8} {:>11} {:>11} {:>8} {:>10} {:>10} {:>9} {:>9} {:>14} {:>14} {:>8} {:>10}",
         "backend",
         "vram budget",
         "ram budget",
+        "prefetch",
         "prefill/s",
         "decode/s",
         "vram hits",
@@ -748,10 +759,15 @@ fn bench(
     let percent = |h: Option<f64>| h.map_or("-".to_string(), |h| format!("{:.1}%", h * 100.0));
     for r in &runs {
         println!(
-            "{:<8} {:>11} {:>11} {:>10.2} {:>10.2} {:>9} {:>9} {:>14.0} {:>14.0} {:>7.1}% {:>10}",
+            "{:<8} {:>11} {:>11} {:>8} {:>10.2} {:>10.2} {:>9} {:>9} {:>14.0} {:>14.0} {:>7.1}% {:>10}",
             r.backend,
             r.vram_budget_bytes.map_or("-".to_string(), human_short),
             human_short(r.ram_budget_bytes),
+            if r.prefetch {
+                format!("{}", percent(r.prefetch_accuracy))
+            } else {
+                "off".to_string()
+            },
             r.prefill_tokens_per_s,
             r.decode_tokens_per_s,
             percent(r.vram_hit_rate),

@@ -83,13 +83,24 @@ fn bench_sweeps_budgets_and_writes_csv_and_plot() {
         vram_budgets: vec![RamBudget::Bytes(0), RamBudget::Auto], // ignored on the CPU tier
         miss_policy: Default::default(),
         direct_io: false,
+        prefetch: vec![false, true],
+        prefetch_proxy: Default::default(),
         prompt_tokens: 8,
         gen_tokens: 6,
         seed: 3,
     };
     let mut calls = 0;
     let runs = run_bench(&options, &mut |_, _| calls += 1).unwrap();
-    assert_eq!((runs.len(), calls), (2, 2));
+    assert_eq!((runs.len(), calls), (4, 4));
+    // Prefetch off and on for each budget, side by side; with no RAM cache nothing is
+    // prefetched (there is nowhere to keep it).
+    assert_eq!(
+        runs.iter().map(|r| r.prefetch).collect::<Vec<_>>(),
+        [false, true, false, true]
+    );
+    assert_eq!(runs[1].prefetch_bytes_per_token, 0.0);
+    assert!(runs[1].prefetch_accuracy.is_some_and(|a| a > 0.0));
+    let runs: Vec<_> = runs.into_iter().filter(|r| !r.prefetch).collect();
     assert!(
         runs.iter()
             .all(|r| r.backend == "cpu" && r.decode_tokens_per_s > 0.0)

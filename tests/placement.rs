@@ -197,6 +197,8 @@ fn bench_sweeps_vram_budgets() {
         vram_budgets: vec![VramBudget::Bytes(0), VramBudget::Percent(100.0)],
         miss_policy: MissPolicy::Auto,
         direct_io: false,
+        prefetch: vec![false],
+        prefetch_proxy: Default::default(),
         prompt_tokens: 8,
         gen_tokens: 6,
         seed: 3,

@@ -1352,7 +1352,10 @@ impl<'m> GpuModel<'m> {
                 wanted.sort_unstable();
                 wanted.dedup();
                 wanted.retain(|&e| {
-                    let key = ExpertKey { layer: l + 1, expert: e };
+                    let key = ExpertKey {
+                        layer: l + 1,
+                        expert: e,
+                    };
                     !pool.slot_of.contains_key(&key)
                 });
                 model.experts.prefetch(l + 1, &wanted)?;
