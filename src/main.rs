@@ -98,8 +98,9 @@ struct PromptArgs {
     #[arg(long, value_enum, default_value_t = OnOff::Off)]
     prefetch: OnOff,
     /// What stands in for the next layer's MoE input: a (this layer's MoE input, earliest) or b
-    /// (this layer's output through the next layer's norm, later). The GPU tier uses a.
-    #[arg(long, default_value = "a", value_name = "a|b")]
+    /// (this layer's output through the next layer's norm, later, more accurate). The GPU tier
+    /// uses a.
+    #[arg(long, default_value = "b", value_name = "a|b")]
     prefetch_proxy: picchio::model::PrefetchProxy,
 }
 
@@ -205,7 +206,7 @@ enum Command {
         #[arg(long, value_enum, value_delimiter = ',', default_value = "off")]
         prefetch: Vec<OnOff>,
         /// The prefetch proxy for every run (a or b).
-        #[arg(long, default_value = "a")]
+        #[arg(long, default_value = "b")]
         prefetch_proxy: picchio::model::PrefetchProxy,
         #[arg(long, default_value_t = 64)]
         prompt_tokens: usize,
@@ -764,7 +765,7 @@ fn bench(
             r.vram_budget_bytes.map_or("-".to_string(), human_short),
             human_short(r.ram_budget_bytes),
             if r.prefetch {
-                format!("{}", percent(r.prefetch_accuracy))
+                percent(r.prefetch_accuracy)
             } else {
                 "off".to_string()
             },

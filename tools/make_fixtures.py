@@ -95,6 +95,24 @@ FIXTURES = [
         prompt_len=120,  # longer than 100 tokens; 152 positions cross the window several times
     ),
     dict(
+        name="tiny-routed",
+        seed=5,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=32,  # gpt-oss-20b's routing: top 4 of 32 (chance of a guess: 1/8)
+        num_experts_per_tok=4,
+        intermediate_size=32,
+        vocab_size=256,
+        sliding_window=16,
+        layer_types=None,
+        eos_token_id=2,
+        shards=1,
+        prompt_len=24,
+    ),
+    dict(
         name="tiny-unquantized",
         seed=4,
         hidden_size=64,

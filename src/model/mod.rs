@@ -51,9 +51,10 @@ pub struct Model {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 pub enum PrefetchProxy {
     /// L's normalized MoE input: known as soon as L routes (earliest).
-    #[default]
     A,
-    /// L's residual after its MoE, normalized with L+1's post-attention norm (closer, later).
+    /// L's residual after its MoE, normalized with L+1's post-attention norm (closer, later):
+    /// the default, the more accurate on every fixture and on the synthetic 20B.
+    #[default]
     B,
 }
 
