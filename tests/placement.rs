@@ -346,8 +346,14 @@ fn prefetch_never_changes_tokens_and_guesses_better_than_chance() {
                 // Guesses run through the real router of the next layer: better than picking
                 // k of E at random, and with the default proxy (b) at least twice as good
                 // wherever twice chance is below certainty.
-                assert!(accuracy > chance, "{what}: {accuracy} vs {chance}");
-                if proxy == PrefetchProxy::B && 2.0 * chance < 1.0 {
+                assert!(
+                    accuracy > chance || chance == 1.0,
+                    "{what}: {accuracy} vs {chance}"
+                );
+                // The committed fixtures' routers are scaled so routing is uneven (like a trained
+                // model's); random unseen shapes are only held to the tokens.
+                let committed = std::env::var_os("PICCHIO_FIXTURES").is_none();
+                if committed && proxy == PrefetchProxy::B && 2.0 * chance < 1.0 {
                     assert!(accuracy >= 2.0 * chance, "{what}: {accuracy} vs {chance}");
                 }
             }
