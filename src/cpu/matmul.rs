@@ -17,8 +17,19 @@ fn reduce(acc: [f32; LANES]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
 }
 
-/// Dot product of one dense row (stored in `format`) with `x`.
+/// Dot product of one dense row (stored in `format`) with `x`: the SIMD kernel where this CPU
+/// has one, else the scalar reference.
 pub fn dot_dense(format: FloatFormat, row: &[u8], x: &[f32]) -> f32 {
+    if super::simd::kernels() != super::simd::CpuKernels::Scalar
+        && let Some(sum) = super::simd::dot_floats(format, row, x)
+    {
+        return sum;
+    }
+    dot_dense_scalar(format, row, x)
+}
+
+/// The scalar reference of `dot_dense`.
+pub fn dot_dense_scalar(format: FloatFormat, row: &[u8], x: &[f32]) -> f32 {
     let size = format.size();
     debug_assert_eq!(row.len(), x.len() * size);
     let mut acc = [0f32; LANES];
@@ -51,8 +62,19 @@ fn decode_at(format: FloatFormat, bytes: &[u8], k: usize) -> f32 {
     }
 }
 
-/// Dot product of one MXFP4 row (16 bytes + 1 scale per 32 inputs) with `x`.
+/// Dot product of one MXFP4 row (16 bytes + 1 scale per 32 inputs) with `x`: the SIMD kernel
+/// where this CPU has one, else the scalar reference.
 pub fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+    if super::simd::kernels() != super::simd::CpuKernels::Scalar
+        && let Some(sum) = super::simd::dot_mxfp4(blocks, scales, x)
+    {
+        return sum;
+    }
+    dot_mxfp4_scalar(blocks, scales, x)
+}
+
+/// The scalar reference of `dot_mxfp4`.
+pub fn dot_mxfp4_scalar(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
     debug_assert_eq!(blocks.len() * 2, x.len());
     let mut total = 0f32;
     for (g, (group, &scale)) in blocks.chunks_exact(16).zip(scales).enumerate() {

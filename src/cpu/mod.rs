@@ -10,3 +10,4 @@ pub mod matmul;
 pub mod moe;
 pub mod norm;
 pub mod rope;
+pub mod simd;
