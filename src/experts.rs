@@ -823,11 +823,14 @@ impl ExpertStore {
         self.counters.vram_hits.fetch_add(n, Ordering::Relaxed);
     }
 
-    /// Counts `bytes` copied into the VRAM cache since `started`, `evicted` (0 or 1) experts
-    /// dropped from it for them.
-    pub fn count_upload(&self, bytes: u64, evicted: u64, started: Instant) {
+    /// Counts `n` experts the VRAM cache dropped to make room.
+    pub fn count_vram_evictions(&self, n: u64) {
+        self.counters.vram_evictions.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Counts `bytes` copied into the VRAM cache since `started`.
+    pub fn count_upload(&self, bytes: u64, started: Instant) {
         let c = &self.counters;
-        c.vram_evictions.fetch_add(evicted, Ordering::Relaxed);
         c.upload_bytes.fetch_add(bytes, Ordering::Relaxed);
         c.upload_us
             .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);

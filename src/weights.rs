@@ -638,22 +638,38 @@ impl ExpertMatrices {
 
     /// The weight bytes and the scale bytes (absent for float experts) of expert `e`.
     pub fn expert_parts(&self, e: usize) -> (&[u8], Option<&[u8]>) {
-        let (w, s) = self.part_sizes();
-        fn slice(bytes: &TensorBytes, stride: ExpertStride, e: usize, len: usize) -> &[u8] {
-            let start = e * stride.of(len);
-            &bytes.bytes()[start..start + len]
+        self.expert_run(e..e + 1)
+            .expect("one expert's bytes are always back to back")
+    }
+
+    /// The weight and scale bytes of experts `run`, when they lie back to back: always for one
+    /// expert, for several only where the experts are stored contiguously (a checkpoint's
+    /// tensors, not a converted store's padded records).
+    pub fn expert_run(&self, run: std::ops::Range<usize>) -> Option<(&[u8], Option<&[u8]>)> {
+        fn slice<'a>(
+            bytes: &'a TensorBytes,
+            stride: ExpertStride,
+            run: &std::ops::Range<usize>,
+            len: usize,
+        ) -> Option<&'a [u8]> {
+            (run.len() <= 1 || stride == ExpertStride::Contiguous).then(|| {
+                let start = run.start * stride.of(len);
+                &bytes.bytes()[start..start + run.len() * len]
+            })
         }
-        match self {
+        let (w, s) = self.part_sizes();
+        let run = &run;
+        Some(match self {
             ExpertMatrices::Mxfp4(m) => (
-                slice(&m.blocks, m.stride, e, w),
-                Some(slice(&m.scales, m.stride, e, s)),
+                slice(&m.blocks, m.stride, run, w)?,
+                Some(slice(&m.scales, m.stride, run, s)?),
             ),
             ExpertMatrices::Int4(m) => (
-                slice(&m.qweight, m.stride, e, w),
-                Some(slice(&m.scales, m.stride, e, s)),
+                slice(&m.qweight, m.stride, run, w)?,
+                Some(slice(&m.scales, m.stride, run, s)?),
             ),
-            ExpertMatrices::Dense(d) => (slice(&d.data, ExpertStride::Contiguous, e, w), None),
-        }
+            ExpertMatrices::Dense(d) => (slice(&d.data, ExpertStride::Contiguous, run, w)?, None),
+        })
     }
 }
 

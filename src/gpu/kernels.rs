@@ -264,17 +264,21 @@ impl GpuExperts {
         let layout = ExpertLayout::of(m);
         let has_scales = layout.scale_bytes > 0;
         Self::build(ctx, name, layout, m.experts(), |first, n| {
-            // Gathered expert by expert: a converted store keeps them in strided records.
+            let upload = |w: &[u8], s: Option<&[u8]>| {
+                let scales = s.filter(|_| has_scales).map(|s| ctx.upload(name, s));
+                Ok((ctx.upload(name, w), scales))
+            };
+            if let Some((w, s)) = m.expert_run(first..first + n) {
+                return upload(w, s);
+            }
+            // A converted store's padded records: gathered expert by expert.
             let (mut w, mut s) = (Vec::new(), Vec::new());
             for e in first..first + n {
                 let (weights, scales) = m.expert_parts(e);
                 w.extend_from_slice(weights);
                 s.extend_from_slice(scales.unwrap_or_default());
             }
-            Ok((
-                ctx.upload(name, &w),
-                has_scales.then(|| ctx.upload(name, &s)),
-            ))
+            upload(&w, Some(&s))
         })
     }
 

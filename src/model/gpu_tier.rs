@@ -345,14 +345,6 @@ fn f32s(ctx: &GpuContext, label: &str, values: &[f32]) -> wgpu::Buffer {
     ctx.upload_f32(label, values)
 }
 
-fn expert_bytes_of(weights: &crate::weights::ModelWeights) -> u64 {
-    weights
-        .layers
-        .iter()
-        .map(|l| (l.gate_up.bytes() + l.down.bytes()) as u64)
-        .sum()
-}
-
 /// Runs `operation` with out-of-memory errors caught; `what` names what did not fit.
 fn catching_oom<T>(
     device: &wgpu::Device,
@@ -634,10 +626,8 @@ impl<'m> GpuModel<'m> {
                 Err(e) => return Err(e),
             }
         }
-        let (cached, bytes) = match &self.pool {
-            Some(pool) => (pool.slots(), pool.slots() as u64 * per_slot),
-            None => (total, expert_bytes_of(weights)),
-        };
+        let cached = self.vram_experts();
+        let bytes = cached as u64 * vram_bytes_per_expert(self.model);
         log::info!(
             "VRAM holds {cached} of {total} experts ({:.2} GB){}",
             bytes as f64 / 1e9,
@@ -1291,7 +1281,7 @@ impl<'m> GpuModel<'m> {
         pool.clock += 1;
         let now = pool.clock;
         let mut slot_of_expert: HashMap<usize, usize> = HashMap::new();
-        let mut evicted: Vec<usize> = Vec::new();
+        let mut evicted = 0;
         let (mut hits, mut uploads, mut on_cpu) = (Vec::new(), Vec::new(), Vec::new());
         for &e in &chosen {
             let key = ExpertKey {
@@ -1310,9 +1300,7 @@ impl<'m> GpuModel<'m> {
             }
             match pool.claim(evict, now) {
                 Some((slot, old)) => {
-                    if old.is_some() {
-                        evicted.push(e);
-                    }
+                    evicted += old.is_some() as u64;
                     let key = ExpertKey {
                         layer: l,
                         expert: e,
@@ -1327,6 +1315,7 @@ impl<'m> GpuModel<'m> {
             }
         }
         model.experts.count_vram_hits(l, &hits);
+        model.experts.count_vram_evictions(evicted);
 
         // Every read starts before the first is awaited; each expert is used as it arrives.
         let fetched: Vec<usize> = uploads.iter().chain(&on_cpu).copied().collect();
@@ -1387,8 +1376,7 @@ impl<'m> GpuModel<'m> {
                 let bytes = expert.gate_up.expert_bytes()
                     + expert.down.expert_bytes()
                     + 4 * (gate_up_bias.len() + down_bias.len());
-                let evictions = evicted.contains(&e) as u64;
-                model.experts.count_upload(bytes as u64, evictions, started);
+                model.experts.count_upload(bytes as u64, started);
             } else {
                 let started = Instant::now();
                 let pairs: Vec<usize> = (0..n * k).filter(|&p| ids[p] as usize == e).collect();
