@@ -12,7 +12,7 @@ use picchio::flat_store::{
     FlatExperts, FlatFormat, INDEX_FILE, RECORD_ALIGN, RECORDS_FILE, convert,
 };
 use picchio::model::generate::{CpuSession, generate_with};
-use picchio::model::gpu_tier::{GpuModel, GpuTierOptions};
+use picchio::model::gpu_tier::GpuTierOptions;
 use picchio::model::{KvCache, ModelOptions};
 
 fn converted(dir: &std::path::Path, format: FlatFormat) -> tempfile::TempDir {
@@ -31,14 +31,11 @@ fn load(dir: &std::path::Path, ram_budget: RamBudget, direct_io: bool) -> Model 
 }
 
 fn gpu_ids(model: &Model, prompt: &[u32], vram_budget: VramBudget, n: usize) -> Option<Vec<u32>> {
-    let ctx = gpu(None)?;
     let options = GpuTierOptions {
-        context: 4096,
-        top_logits: 10,
         vram_budget,
-        ..Default::default()
+        ..gpu_options()
     };
-    let mut session = GpuModel::new(ctx, model, options).unwrap();
+    let mut session = gpu_session(model, options)?;
     let out = generate_with(&mut session, &model.config, prompt, &greedy_options(n)).unwrap();
     Some(out.generated_ids)
 }

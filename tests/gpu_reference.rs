@@ -14,14 +14,11 @@ use picchio::model::gpu_tier::{GpuModel, GpuTierOptions};
 const LOGIT_ATOL: f32 = 1e-3;
 
 fn gpu_model(model: &Model, max_block: usize) -> Option<GpuModel<'_>> {
-    let ctx = gpu(None)?;
     let options = GpuTierOptions {
-        context: 4096,
         max_block,
-        top_logits: 10,
-        ..Default::default()
+        ..gpu_options()
     };
-    Some(GpuModel::new(ctx, model, options).unwrap())
+    gpu_session(model, options)
 }
 
 #[test]

@@ -9,7 +9,7 @@ use picchio::Model;
 use picchio::experts::{RamBudget, VramBudget};
 use picchio::model::ModelOptions;
 use picchio::model::generate::{Session, generate_with};
-use picchio::model::gpu_tier::{GpuModel, GpuTierOptions, MissPolicy, vram_bytes_per_expert};
+use picchio::model::gpu_tier::{GpuTierOptions, MissPolicy, vram_bytes_per_expert};
 
 /// A VRAM budget of `slots` cached experts of `model`.
 fn slots(model: &Model, slots: u64) -> VramBudget {
@@ -65,17 +65,14 @@ fn every_vram_budget_and_miss_policy_gives_transformers_tokens() {
                 },
             )
             .unwrap();
-            let Some(ctx) = gpu(None) else {
-                return;
-            };
             let options = GpuTierOptions {
-                context: 4096,
-                top_logits: 10,
                 vram_budget,
                 miss_policy,
-                ..Default::default()
+                ..gpu_options()
             };
-            let mut session = GpuModel::new(ctx, &model, options).unwrap();
+            let Some(mut session) = gpu_session(&model, options) else {
+                return;
+            };
             let out = generate_with(
                 &mut session,
                 &model.config,
@@ -152,18 +149,15 @@ fn prompt_blocks_with_a_vram_cache_give_the_same_tokens() {
     for dir in fixture_dirs() {
         let reference = reference(&dir);
         let model = Model::load(&dir).unwrap();
-        let Some(ctx) = gpu(None) else {
-            return;
-        };
         let options = GpuTierOptions {
-            context: 4096,
             max_block: 3,
-            top_logits: 10,
             vram_budget: VramBudget::Percent(25.0),
             miss_policy: MissPolicy::Upload,
-            gpu_layers: None,
+            ..gpu_options()
         };
-        let mut session = GpuModel::new(ctx, &model, options).unwrap();
+        let Some(mut session) = gpu_session(&model, options) else {
+            return;
+        };
         let out = generate_with(
             &mut session,
             &model.config,
@@ -242,17 +236,14 @@ fn layers_split_between_the_gpu_and_the_cpu_give_transformers_tokens() {
                 },
             )
             .unwrap();
-            let Some(ctx) = gpu(None) else {
-                return;
-            };
             let options = GpuTierOptions {
-                context: 4096,
-                top_logits: 10,
                 vram_budget: VramBudget::Percent(25.0),
                 gpu_layers: Some(gpu_layers),
-                ..Default::default()
+                ..gpu_options()
             };
-            let mut session = GpuModel::new(ctx, &model, options).unwrap();
+            let Some(mut session) = gpu_session(&model, options) else {
+                return;
+            };
             assert_eq!(session.gpu_layers(), gpu_layers);
             let out = generate_with(
                 &mut session,
@@ -303,16 +294,13 @@ fn prefetch_never_changes_tokens_and_guesses_better_than_chance() {
             .unwrap();
             let what = format!("{} (proxy {proxy:?}, gpu {on_gpu})", dir.display());
             let out = if on_gpu {
-                let Some(ctx) = gpu(None) else {
+                let options = GpuTierOptions {
+                    vram_budget: VramBudget::Percent(25.0),
+                    ..gpu_options()
+                };
+                let Some(mut session) = gpu_session(&model, options) else {
                     return;
                 };
-                let options = GpuTierOptions {
-                    context: 4096,
-                    top_logits: 10,
-                    vram_budget: VramBudget::Percent(25.0),
-                    ..Default::default()
-                };
-                let mut session = GpuModel::new(ctx, &model, options).unwrap();
                 generate_with(
                     &mut session,
                     &model.config,

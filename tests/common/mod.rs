@@ -227,6 +227,24 @@ pub fn gpu(max_binding_bytes: Option<u64>) -> Option<picchio::gpu::GpuContext> {
     }
 }
 
+/// GPU tier options for tests: 4096 positions, the top 10 logits read back.
+pub fn gpu_options() -> picchio::model::gpu_tier::GpuTierOptions {
+    picchio::model::gpu_tier::GpuTierOptions {
+        context: 4096,
+        top_logits: 10,
+        ..Default::default()
+    }
+}
+
+/// The GPU tier over `model` with `options`, or None when there is no GPU (as `gpu` decides).
+pub fn gpu_session(
+    model: &picchio::Model,
+    options: picchio::model::gpu_tier::GpuTierOptions,
+) -> Option<picchio::model::gpu_tier::GpuModel<'_>> {
+    let ctx = gpu(None)?;
+    Some(picchio::model::gpu_tier::GpuModel::new(ctx, model, options).unwrap())
+}
+
 /// Greedy decoding of `max_new_tokens` with EOS ignored and the top 10 logits reported.
 pub fn greedy_options(max_new_tokens: usize) -> picchio::model::generate::GenerateOptions {
     picchio::model::generate::GenerateOptions {
