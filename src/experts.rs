@@ -290,6 +290,9 @@ struct Shared {
     layers: Vec<(Projection, Projection)>,
     /// Reads bypass the page cache (O_DIRECT): one page-aligned read per expert.
     direct: bool,
+    /// When every expert fits the budget: each layer's (gate_up, down) as mapped, which a
+    /// "read" views in place and faults in instead of copying.
+    mapped: Option<Vec<(ExpertMatrices, ExpertMatrices)>>,
 }
 
 /// Views of one read's bytes by range.
@@ -315,6 +318,17 @@ fn coalesce(parts: &[Part]) -> Vec<Part> {
 
 impl Shared {
     fn read(&self, key: ExpertKey) -> Result<ExpertData> {
+        if let Some(mapped) = &self.mapped {
+            let (gate_up, down) = &mapped[key.layer];
+            let (gate_up, down) = (gate_up.single(key.expert), down.single(key.expert));
+            gate_up.populate();
+            down.populate();
+            return Ok(ExpertData {
+                bytes: gate_up.expert_bytes() + down.expert_bytes(),
+                gate_up,
+                down,
+            });
+        }
         let (gate_up, down) = &self.layers[key.layer];
         let parts: Vec<Part> = gate_up.parts().into_iter().chain(down.parts()).collect();
         let reads = coalesce(&parts);
@@ -535,10 +549,27 @@ impl ExpertStore {
                     .min(total_expert_bytes)
             }
         };
+        // A budget holding every expert needs no copies: the OS page cache holds the files, and
+        // the CPU tier computes from the mapping (the first use of an expert faults it in).
+        let mapped = (!direct_io
+            && budget >= total_expert_bytes
+            && weights
+                .layers
+                .iter()
+                .all(|l| l.gate_up.is_mapped() && l.down.is_mapped()))
+        .then(|| {
+            log::info!("every expert fits the RAM budget: computing from the mapped files");
+            weights
+                .layers
+                .iter()
+                .map(|l| (l.gate_up.clone(), l.down.clone()))
+                .collect()
+        });
         let shared = Arc::new(Shared {
             files,
             layers,
             direct: direct_io,
+            mapped,
         });
         let (jobs, queue) = flume::unbounded::<(ExpertKey, Reply)>();
         for n in 0..io_threads.max(1) {

@@ -105,6 +105,53 @@ impl TensorBytes {
         }
     }
 
+    /// `range` (relative to this view) of the same bytes, sharing their backing.
+    pub fn slice(&self, range: Range<usize>) -> TensorBytes {
+        assert!(range.start <= range.end && range.end <= self.range.len());
+        TensorBytes {
+            backing: self.backing.clone(),
+            range: self.range.start + range.start..self.range.start + range.end,
+        }
+    }
+
+    /// Whether these bytes are a range of a mapped file.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.backing, Backing::Mapped(_))
+    }
+
+    /// Maps the pages of a mapped range into the process now (the OS reads those the page cache
+    /// lacks), so kernels computing over them later do not stall on page faults. Nothing to do
+    /// for bytes already in memory.
+    pub fn populate(&self) {
+        let Backing::Mapped(map) = &self.backing else {
+            return;
+        };
+        const PAGE: usize = 4096;
+        let first = self.range.start / PAGE * PAGE;
+        let len = self.range.end - first;
+        if len == 0 {
+            return;
+        }
+        #[cfg(target_os = "linux")]
+        {
+            // MADV_POPULATE_READ (Linux 5.14+); older kernels answer EINVAL and we touch pages.
+            const MADV_POPULATE_READ: libc::c_int = 22;
+            // Safety: `first..first + len` lies within the mapping `map` (page-aligned start,
+            // in-bounds end), which the Arc keeps alive; the advice only faults pages in.
+            let done = unsafe {
+                libc::madvise(map.as_ptr().add(first) as *mut _, len, MADV_POPULATE_READ) == 0
+            };
+            if done {
+                return;
+            }
+        }
+        let bytes = &map[first..self.range.end];
+        for page in bytes.chunks(PAGE) {
+            // A read the optimizer cannot drop: it faults the page in.
+            std::hint::black_box(page[0]);
+        }
+    }
+
     /// Bytes held in memory rather than in a checkpoint file (tests, benches, converted data).
     pub fn from_vec(bytes: Vec<u8>) -> TensorBytes {
         TensorBytes {
@@ -633,6 +680,55 @@ impl ExpertMatrices {
             ExpertMatrices::Mxfp4(m) => (m.rows * m.cols / 2, m.rows * m.cols / 32),
             ExpertMatrices::Int4(m) => (m.rows * m.cols / 2, m.rows * m.cols / 16),
             ExpertMatrices::Dense(d) => (d.inputs * d.outputs * d.format.size(), 0),
+        }
+    }
+
+    /// Expert `e` alone, as a one-expert view of the same bytes (no copy).
+    pub fn single(&self, e: usize) -> ExpertMatrices {
+        let (w, s) = self.part_sizes();
+        let at = |bytes: &TensorBytes, stride: ExpertStride, len: usize| {
+            let start = e * stride.of(len);
+            bytes.slice(start..start + len)
+        };
+        match self {
+            ExpertMatrices::Mxfp4(m) => ExpertMatrices::Mxfp4(Mxfp4Experts::contiguous(
+                1,
+                (m.rows, m.cols),
+                at(&m.blocks, m.stride, w),
+                at(&m.scales, m.stride, s),
+            )),
+            ExpertMatrices::Int4(m) => ExpertMatrices::Int4(Int4Experts::contiguous(
+                1,
+                (m.rows, m.cols),
+                at(&m.qweight, m.stride, w),
+                at(&m.scales, m.stride, s),
+            )),
+            ExpertMatrices::Dense(d) => ExpertMatrices::Dense(DenseExperts {
+                experts: 1,
+                data: at(&d.data, ExpertStride::Contiguous, w),
+                ..d.clone()
+            }),
+        }
+    }
+
+    /// The byte views this projection reads.
+    fn tensors(&self) -> Vec<&TensorBytes> {
+        match self {
+            ExpertMatrices::Mxfp4(m) => vec![&m.blocks, &m.scales],
+            ExpertMatrices::Int4(m) => vec![&m.qweight, &m.scales],
+            ExpertMatrices::Dense(d) => vec![&d.data],
+        }
+    }
+
+    /// Whether every byte of this projection is a range of a mapped file.
+    pub fn is_mapped(&self) -> bool {
+        self.tensors().iter().all(|t| t.is_mapped())
+    }
+
+    /// Faults the mapped pages of these bytes in (see `TensorBytes::populate`).
+    pub fn populate(&self) {
+        for t in self.tensors() {
+            t.populate();
         }
     }
 

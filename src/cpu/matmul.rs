@@ -20,12 +20,7 @@ fn reduce(acc: [f32; LANES]) -> f32 {
 /// Dot product of one dense row (stored in `format`) with `x`: the SIMD kernel where this CPU
 /// has one, else the scalar reference.
 pub fn dot_dense(format: FloatFormat, row: &[u8], x: &[f32]) -> f32 {
-    if super::simd::kernels() != super::simd::CpuKernels::Scalar
-        && let Some(sum) = super::simd::dot_floats(format, row, x)
-    {
-        return sum;
-    }
-    dot_dense_scalar(format, row, x)
+    super::simd::float_dot(super::simd::kernels())(format, row, x)
 }
 
 /// The scalar reference of `dot_dense`.
@@ -48,8 +43,9 @@ pub fn dot_dense_scalar(format: FloatFormat, row: &[u8], x: &[f32]) -> f32 {
     sum
 }
 
+/// Value `k` of a stored float row.
 #[inline(always)]
-fn decode_at(format: FloatFormat, bytes: &[u8], k: usize) -> f32 {
+pub(crate) fn decode_at(format: FloatFormat, bytes: &[u8], k: usize) -> f32 {
     match format {
         FloatFormat::Bf16 => bf16_to_f32(bytes[2 * k], bytes[2 * k + 1]),
         FloatFormat::F16 => f16_to_f32(bytes[2 * k], bytes[2 * k + 1]),
@@ -65,12 +61,18 @@ fn decode_at(format: FloatFormat, bytes: &[u8], k: usize) -> f32 {
 /// Dot product of one MXFP4 row (16 bytes + 1 scale per 32 inputs) with `x`: the SIMD kernel
 /// where this CPU has one, else the scalar reference.
 pub fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
-    if super::simd::kernels() != super::simd::CpuKernels::Scalar
-        && let Some(sum) = super::simd::dot_mxfp4(blocks, scales, x)
-    {
-        return sum;
+    packed_dot(super::simd::mxfp4_dot(super::simd::kernels()), blocks, scales, x)
+}
+
+/// `kernel`'s dot product of one packed row with `x` in natural order.
+fn packed_dot(kernel: super::simd::PackedDot, packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+    if kernel.arranged_input {
+        let mut split = Vec::new();
+        super::simd::arrange_packed_input(x, x.len(), &mut split);
+        (kernel.dot)(packed, scales, &split)
+    } else {
+        (kernel.dot)(packed, scales, x)
     }
-    dot_mxfp4_scalar(blocks, scales, x)
 }
 
 /// The scalar reference of `dot_mxfp4`.
@@ -92,8 +94,14 @@ pub fn dot_mxfp4_scalar(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
     total
 }
 
-/// Dot product of one group-scaled INT4 row (16 bytes + one f16 scale per 32 inputs) with `x`.
+/// Dot product of one group-scaled INT4 row (16 bytes + one f16 scale per 32 inputs) with `x`:
+/// the SIMD kernel where this CPU has one, else the scalar reference.
 pub fn dot_int4(qweight: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+    packed_dot(super::simd::int4_dot(super::simd::kernels()), qweight, scales, x)
+}
+
+/// The scalar reference of `dot_int4`.
+pub fn dot_int4_scalar(qweight: &[u8], scales: &[u8], x: &[f32]) -> f32 {
     let mut total = 0f32;
     for (g, (group, scale)) in qweight
         .chunks_exact(16)
@@ -113,13 +121,15 @@ pub fn dot_int4(qweight: &[u8], scales: &[u8], x: &[f32]) -> f32 {
 }
 
 /// `out[t * rows + r] = dot(r, xs[t * cols..]) + bias[r]` for every token `t`, rows in parallel.
+/// `dot_each(r, inputs, sums)` writes row r's dot product with each input (the kernels decode
+/// the row once for all inputs, each result bit-identical to a one-input call).
 fn rows_times_tokens(
     rows: usize,
     cols: usize,
     xs: &[f32],
     bias: Option<&[f32]>,
     out: &mut [f32],
-    dot: impl Fn(usize, &[f32]) -> f32 + Sync,
+    dot_each: impl Fn(usize, &[&[f32]], &mut [f32]) + Sync,
 ) {
     let tokens = xs.len() / cols;
     assert_eq!(
@@ -131,23 +141,26 @@ fn rows_times_tokens(
     if let Some(b) = bias {
         assert_eq!(b.len(), rows, "bias has the wrong size");
     }
-    let value = |r: usize, x: &[f32]| dot(r, x) + bias.map_or(0.0, |b| b[r]);
+    let inputs: Vec<&[f32]> = xs.chunks_exact(cols).collect();
     if tokens == 1 {
         out.par_chunks_mut(64).enumerate().for_each(|(chunk, ys)| {
             for (k, y) in ys.iter_mut().enumerate() {
-                *y = value(chunk * 64 + k, xs);
+                let r = chunk * 64 + k;
+                dot_each(r, &inputs, std::slice::from_mut(y));
+                *y += bias.map_or(0.0, |b| b[r]);
             }
         });
         return;
     }
-    // Each row's weights are read once for all tokens.
+    // Each row's weights are read (and decoded) once for all tokens.
     let mut by_row = vec![0f32; rows * tokens];
     by_row
         .par_chunks_mut(tokens)
         .enumerate()
         .for_each(|(r, ys)| {
-            for (t, y) in ys.iter_mut().enumerate() {
-                *y = value(r, &xs[t * cols..(t + 1) * cols]);
+            dot_each(r, &inputs, ys);
+            for y in ys.iter_mut() {
+                *y += bias.map_or(0.0, |b| b[r]);
             }
         });
     for r in 0..rows {
@@ -159,8 +172,9 @@ fn rows_times_tokens(
 
 /// Dense linear layer over one or more tokens.
 pub fn dense_matmul(m: &DenseMatrix, xs: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
-    rows_times_tokens(m.rows, m.cols, xs, bias, out, |r, x| {
-        dot_dense(m.format, m.row(r), x)
+    let dot_each = super::simd::float_dot_each(super::simd::kernels());
+    rows_times_tokens(m.rows, m.cols, xs, bias, out, |r, inputs, sums| {
+        dot_each(m.format, m.row(r), inputs, sums)
     });
 }
 
@@ -172,10 +186,8 @@ pub fn mxfp4_matmul(
     bias: Option<&[f32]>,
     out: &mut [f32],
 ) {
-    rows_times_tokens(w.rows, w.cols, xs, bias, out, |r, x| {
-        let (blocks, scales) = w.row(expert, r);
-        dot_mxfp4(blocks, scales, x)
-    });
+    let kernel = super::simd::mxfp4_dot(super::simd::kernels());
+    packed_matmul(kernel, (w.rows, w.cols), xs, bias, out, |r| w.row(expert, r));
 }
 
 /// One expert's group-scaled INT4 linear layer over one or more tokens.
@@ -186,9 +198,29 @@ pub fn int4_matmul(
     bias: Option<&[f32]>,
     out: &mut [f32],
 ) {
-    rows_times_tokens(w.rows, w.cols, xs, bias, out, |r, x| {
-        let (q, s) = w.row(expert, r);
-        dot_int4(q, s, x)
+    let kernel = super::simd::int4_dot(super::simd::kernels());
+    packed_matmul(kernel, (w.rows, w.cols), xs, bias, out, |r| w.row(expert, r));
+}
+
+/// A packed 4-bit linear layer: the input rearranged once for `kernel`, then every row.
+fn packed_matmul<'w>(
+    kernel: super::simd::PackedDot,
+    (rows, cols): (usize, usize),
+    xs: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    row: impl Fn(usize) -> (&'w [u8], &'w [u8]) + Sync,
+) {
+    let mut split = Vec::new();
+    let input = if kernel.arranged_input {
+        super::simd::arrange_packed_input(xs, cols, &mut split);
+        &split
+    } else {
+        xs
+    };
+    rows_times_tokens(rows, cols, input, bias, out, |r, inputs, sums| {
+        let (packed, scales) = row(r);
+        (kernel.dot_each)(packed, scales, inputs, sums)
     });
 }
 

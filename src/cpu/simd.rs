@@ -1,83 +1,246 @@
-//! SIMD versions of the hot dot products, chosen at run time: AVX2 + FMA on x86_64. The scalar
-//! kernels in `matmul.rs` stay the reference (tests compare the two) and the fallback elsewhere.
-//! `PICCHIO_CPU_KERNELS=scalar` forces the scalar kernels.
+//! SIMD versions of the hot dot products, chosen at run time: AVX-512 or AVX2 + FMA on x86_64.
+//! The scalar kernels in `matmul.rs` stay the reference (tests compare every SIMD path with them)
+//! and the fallback elsewhere. `PICCHIO_CPU_KERNELS=scalar|avx2|avx512` caps the choice.
 //!
 //! Each function sums in its own fixed order, the same for every row and token, so batching
 //! still gives bit-identical results; against the scalar kernels they differ by rounding only.
 
 use std::sync::OnceLock;
 
-/// Which kernels the CPU tier runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+use crate::weights::FloatFormat;
+
+/// Which kernels the CPU tier runs, from the most portable to the widest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum CpuKernels {
     Scalar,
-    /// x86_64 AVX2 with FMA.
+    /// x86_64 AVX2 with FMA and F16C.
     Avx2,
+    /// x86_64 AVX-512 (F, BW, VL) on top of AVX2.
+    Avx512,
 }
 
-/// The kernels this CPU supports (detected once), unless `PICCHIO_CPU_KERNELS=scalar`.
+impl CpuKernels {
+    pub fn name(self) -> &'static str {
+        match self {
+            CpuKernels::Scalar => "scalar",
+            CpuKernels::Avx2 => "avx2",
+            CpuKernels::Avx512 => "avx512",
+        }
+    }
+}
+
+/// The kernels the CPU tier uses: the widest this CPU supports, capped by
+/// `PICCHIO_CPU_KERNELS` (decided once).
 pub fn kernels() -> CpuKernels {
     static CHOICE: OnceLock<CpuKernels> = OnceLock::new();
     *CHOICE.get_or_init(|| {
-        if std::env::var("PICCHIO_CPU_KERNELS").is_ok_and(|v| v == "scalar") {
-            return CpuKernels::Scalar;
-        }
-        detect()
+        let detected = detect();
+        let cap = match std::env::var("PICCHIO_CPU_KERNELS").as_deref() {
+            Err(_) => detected,
+            Ok("scalar") => CpuKernels::Scalar,
+            Ok("avx2") => CpuKernels::Avx2,
+            Ok("avx512") => CpuKernels::Avx512,
+            Ok(other) => {
+                log::warn!("PICCHIO_CPU_KERNELS={other:?} is not scalar, avx2 or avx512: ignored");
+                detected
+            }
+        };
+        cap.min(detected)
     })
 }
 
-/// What the hardware supports, whatever the environment says.
+/// What the hardware supports, whatever the environment says (detected once).
 pub fn detect() -> CpuKernels {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-            && std::arch::is_x86_feature_detected!("f16c")
+    static DETECTED: OnceLock<CpuKernels> = OnceLock::new();
+    *DETECTED.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
         {
-            return CpuKernels::Avx2;
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx2") && has!("fma") && has!("f16c") {
+                if has!("avx512f") && has!("avx512bw") && has!("avx512vl") {
+                    return CpuKernels::Avx512;
+                }
+                return CpuKernels::Avx2;
+            }
         }
-    }
-    CpuKernels::Scalar
+        CpuKernels::Scalar
+    })
 }
 
-/// Dot product of a float row (bf16, f16 or f32, little-endian) with `x` (AVX2 + FMA + F16C).
+/// A dot product of one stored float row (bf16, f16 or f32) with `x`.
+pub type FloatDot = fn(FloatFormat, &[u8], &[f32]) -> f32;
+
+/// Dot products of one stored float row with each of several inputs, `out[t] = row . xs[t]`,
+/// each bit-identical to the one-input kernel's (the row is decoded once for all of them).
+pub type FloatDotEach = fn(FloatFormat, &[u8], &[&[f32]], &mut [f32]);
+
+/// The float-row dot product of `kernels` (the scalar reference where the CPU lacks them).
 /// Every format sums in the same order, so widening a checkpoint's tensors changes nothing.
-/// `None` when this CPU lacks the features.
-pub fn dot_floats(format: crate::weights::FloatFormat, row: &[u8], x: &[f32]) -> Option<f32> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if detect() == CpuKernels::Avx2 {
-            // Safety: the CPU supports AVX2, FMA and F16C (checked just above).
-            return Some(unsafe { x86::dot_floats(format, row, x) });
-        }
+pub fn float_dot(kernels: CpuKernels) -> FloatDot {
+    match kernels.min(detect()) {
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx2 => |format, row, x| {
+            // Safety: `float_dot` hands this out only where `detect()` found AVX2, FMA, F16C.
+            unsafe { x86::dot_floats(format, row, x) }
+        },
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx512 => |format, row, x| {
+            // Safety: handed out only where `detect()` found AVX-512 F/BW/VL and AVX2.
+            unsafe { x86_512::dot_floats(format, row, x) }
+        },
+        _ => crate::cpu::matmul::dot_dense_scalar,
     }
-    let _ = (format, row, x);
-    None
 }
 
-/// `dot_floats` of a bf16 row.
-pub fn dot_bf16(row: &[u8], x: &[f32]) -> Option<f32> {
-    dot_floats(crate::weights::FloatFormat::Bf16, row, x)
+/// `float_dot` over several inputs at once.
+pub fn float_dot_each(kernels: CpuKernels) -> FloatDotEach {
+    match kernels.min(detect()) {
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx512 => |format, row, xs, out| {
+            // Safety: handed out only where `detect()` found AVX-512 F/BW/VL and AVX2.
+            unsafe { x86_512::dot_floats_each(format, row, xs, out) }
+        },
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx2 => |format, row, xs, out| {
+            for (o, x) in out.iter_mut().zip(xs) {
+                // Safety: handed out only where `detect()` found AVX2, FMA and F16C.
+                *o = unsafe { x86::dot_floats(format, row, x) };
+            }
+        },
+        _ => |format, row, xs, out| {
+            for (o, x) in out.iter_mut().zip(xs) {
+                *o = crate::cpu::matmul::dot_dense_scalar(format, row, x);
+            }
+        },
+    }
 }
 
-/// Dot product of an MXFP4 row with `x` (AVX2 + FMA). `None` when this CPU lacks them.
-pub fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> Option<f32> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if detect() == CpuKernels::Avx2 {
-            // Safety: the CPU supports AVX2 and FMA (checked just above).
-            return Some(unsafe { x86::dot_mxfp4(blocks, scales, x) });
+/// The dot products of one packed 4-bit row (16 bytes per 32 inputs, plus its scales), with
+/// inputs in the order the kernel reads.
+#[derive(Clone, Copy)]
+pub struct PackedDot {
+    /// The input must be rearranged by `arrange_packed_input` first.
+    pub arranged_input: bool,
+    /// `row . x`.
+    pub dot: fn(&[u8], &[u8], &[f32]) -> f32,
+    /// `out[t] = row . xs[t]`, each bit-identical to `dot`'s (the row decoded once for all).
+    pub dot_each: fn(&[u8], &[u8], &[&[f32]], &mut [f32]),
+}
+
+impl PackedDot {
+    /// A kernel without a batched form: `dot_each` calls `dot` per input.
+    fn one_at_a_time(
+        arranged_input: bool,
+        dot: fn(&[u8], &[u8], &[f32]) -> f32,
+        dot_each: fn(&[u8], &[u8], &[&[f32]], &mut [f32]),
+    ) -> PackedDot {
+        PackedDot {
+            arranged_input,
+            dot,
+            dot_each,
         }
     }
-    let _ = (blocks, scales, x);
-    None
+}
+
+/// `out[t] = dot(packed, scales, xs[t])`.
+fn each_with(
+    dot: fn(&[u8], &[u8], &[f32]) -> f32,
+    packed: &[u8],
+    scales: &[u8],
+    xs: &[&[f32]],
+    out: &mut [f32],
+) {
+    for (o, x) in out.iter_mut().zip(xs) {
+        *o = dot(packed, scales, x);
+    }
+}
+
+/// The MXFP4 row kernel of `kernels` (the scalar reference where the CPU lacks them).
+pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
+    match kernels.min(detect()) {
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx512 => PackedDot {
+            arranged_input: true,
+            // Safety (both): handed out only where `detect()` found AVX-512 F/BW/VL and AVX2.
+            dot: |blocks, scales, x| unsafe { x86_512::dot_mxfp4(blocks, scales, x) },
+            dot_each: |blocks, scales, xs, out| unsafe {
+                x86_512::dot_mxfp4_each(blocks, scales, xs, out)
+            },
+        },
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx2 => PackedDot::one_at_a_time(
+            false,
+            // Safety: handed out only where `detect()` found AVX2, FMA and F16C.
+            |blocks, scales, x| unsafe { x86::dot_mxfp4(blocks, scales, x) },
+            |blocks, scales, xs, out| {
+                // Safety: as above.
+                let dot = |b: &[u8], s: &[u8], x: &[f32]| unsafe { x86::dot_mxfp4(b, s, x) };
+                for (o, x) in out.iter_mut().zip(xs) {
+                    *o = dot(blocks, scales, x);
+                }
+            },
+        ),
+        _ => PackedDot::one_at_a_time(
+            false,
+            crate::cpu::matmul::dot_mxfp4_scalar,
+            |blocks, scales, xs, out| {
+                each_with(crate::cpu::matmul::dot_mxfp4_scalar, blocks, scales, xs, out)
+            },
+        ),
+    }
+}
+
+/// The group-scaled INT4 row kernel of `kernels` (the scalar reference where none is faster).
+pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
+    match kernels.min(detect()) {
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx512 => PackedDot {
+            arranged_input: true,
+            // Safety (both): handed out only where `detect()` found AVX-512 F/BW/VL and AVX2.
+            dot: |qweight, scales, x| unsafe { x86_512::dot_int4(qweight, scales, x) },
+            dot_each: |qweight, scales, xs, out| unsafe {
+                x86_512::dot_int4_each(qweight, scales, xs, out)
+            },
+        },
+        _ => PackedDot::one_at_a_time(
+            false,
+            crate::cpu::matmul::dot_int4_scalar,
+            |qweight, scales, xs, out| {
+                each_with(crate::cpu::matmul::dot_int4_scalar, qweight, scales, xs, out)
+            },
+        ),
+    }
+}
+
+/// Rearranges rows of `cols` inputs into the order the AVX-512 packed kernels read them. Each
+/// run of 128 inputs (four groups, 64 packed bytes) becomes 8 vectors of 16, vector k holding
+/// inputs `8i + k` (i = 0..16): nibble k of each 32-bit word of the packed bytes, in lane order.
+/// The last groups of a row that make no whole run become their 16 even inputs then their 16
+/// odd ones: the low and high nibbles of their 16 bytes.
+pub fn arrange_packed_input(x: &[f32], cols: usize, out: &mut Vec<f32>) {
+    assert!(cols % 32 == 0 && x.len() % cols == 0, "packed rows hold whole groups of 32");
+    out.clear();
+    out.reserve(x.len());
+    for row in x.chunks_exact(cols) {
+        let runs = cols / 128 * 128;
+        for run in row[..runs].chunks_exact(128) {
+            for k in 0..8 {
+                out.extend((0..16).map(|i| run[8 * i + k]));
+            }
+        }
+        for group in row[runs..].chunks_exact(32) {
+            out.extend(group.iter().step_by(2));
+            out.extend(group.iter().skip(1).step_by(2));
+        }
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    use crate::cpu::formats::{bf16_to_f32, e8m0_scale, f16_to_f32};
+    use crate::cpu::formats::e8m0_scale;
+    use crate::cpu::matmul::decode_at;
     use crate::weights::FloatFormat;
 
     #[target_feature(enable = "avx2,fma")]
@@ -105,16 +268,6 @@ mod x86 {
                 }
                 FloatFormat::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
                 FloatFormat::F32 => _mm256_loadu_ps(p.cast()),
-            }
-        }
-    }
-
-    fn scalar_at(format: FloatFormat, row: &[u8], k: usize) -> f32 {
-        match format {
-            FloatFormat::Bf16 => bf16_to_f32(row[2 * k], row[2 * k + 1]),
-            FloatFormat::F16 => f16_to_f32(row[2 * k], row[2 * k + 1]),
-            FloatFormat::F32 => {
-                f32::from_le_bytes([row[4 * k], row[4 * k + 1], row[4 * k + 2], row[4 * k + 3]])
             }
         }
     }
@@ -156,7 +309,7 @@ mod x86 {
         let total = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
         let mut sum = sum8(total);
         for (k, xk) in x.iter().enumerate().skip(i) {
-            sum += scalar_at(format, row, k) * xk;
+            sum += decode_at(format, row, k) * xk;
         }
         sum
     }
@@ -202,11 +355,353 @@ mod x86 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod x86_512 {
+    use std::arch::x86_64::*;
+
+    use crate::cpu::formats::FP4_VALUES;
+    use crate::cpu::matmul::decode_at;
+    use crate::weights::FloatFormat;
+
+    /// How far ahead of the bytes being read the kernels ask for the next ones. Rows continue
+    /// into the next row, and memory pages are small and scattered (a mapped file), so the
+    /// hardware prefetcher, which stops at every 4 KiB page, alone leaves bandwidth unused.
+    const PREFETCH_DISTANCE: usize = 1024;
+
+    /// Hints that the `len` bytes `PREFETCH_DISTANCE` past `p` will be read soon. A prefetch
+    /// never faults, so the address may lie past the end of the row or mapping.
+    #[inline(always)]
+    fn prefetch_ahead(p: *const u8, len: usize) {
+        let ahead = p.wrapping_add(PREFETCH_DISTANCE);
+        let mut at = 0;
+        while at < len {
+            // Safety: prefetching is a hint with no memory access semantics: any address is fine.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(at).cast()) };
+            at += 64;
+        }
+    }
+
+    /// A mask of the first `n` (at most 16) lanes.
+    fn lane_mask(n: usize) -> u32 {
+        (1u32 << n) - 1
+    }
+
+    /// Sixteen values of `format` at `p`, as f32.
+    ///
+    /// # Safety
+    /// AVX-512F must be supported and `p` must point to 16 readable values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn load16(format: FloatFormat, p: *const u8) -> __m512 {
+        // Safety: the caller guarantees the bytes are readable; unaligned loads are allowed.
+        unsafe {
+            match format {
+                FloatFormat::Bf16 => {
+                    let raw = _mm256_loadu_si256(p.cast());
+                    _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(raw)))
+                }
+                FloatFormat::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
+                FloatFormat::F32 => _mm512_loadu_ps(p.cast()),
+            }
+        }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW/VL, AVX2, FMA and F16C; `row` holds `x.len()` values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn dot_floats(format: FloatFormat, row: &[u8], x: &[f32]) -> f32 {
+        // Safety: the caller's guarantees.
+        unsafe { dot_floats_tokens::<1>(format, row, [x])[0] }
+    }
+
+    /// `row` times each of `T` inputs, decoding the row's values once for all of them. Each
+    /// token's sums run in exactly the order of the one-token kernel: batching never changes a
+    /// result.
+    ///
+    /// # Safety
+    /// As `dot_floats`, every input as long as the row.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn dot_floats_tokens<const T: usize>(
+        format: FloatFormat,
+        row: &[u8],
+        xs: [&[f32]; T],
+    ) -> [f32; T] {
+        let size = format.size();
+        let n = row.len() / size;
+        assert!(row.len() == size * n && xs.iter().all(|x| x.len() == n));
+        let w = row.as_ptr();
+        let mut acc = [[_mm512_setzero_ps(); 4]; T];
+        let mut i = 0;
+        while i + 64 <= n {
+            prefetch_ahead(w.wrapping_add(size * i), 64 * size);
+            for k in 0..4 {
+                let at = i + 16 * k;
+                // Safety: at + 16 <= n, so 16 values of `row` and of each input are in bounds.
+                let weights = unsafe { load16(format, w.add(size * at)) };
+                for (a, x) in acc.iter_mut().zip(&xs) {
+                    // Safety: as above.
+                    a[k] = _mm512_fmadd_ps(weights, unsafe { _mm512_loadu_ps(x.as_ptr().add(at)) }, a[k]);
+                }
+            }
+            i += 64;
+        }
+        while i + 16 <= n {
+            // Safety: i + 16 <= n.
+            let weights = unsafe { load16(format, w.add(size * i)) };
+            for (a, x) in acc.iter_mut().zip(&xs) {
+                // Safety: as above.
+                a[0] = _mm512_fmadd_ps(weights, unsafe { _mm512_loadu_ps(x.as_ptr().add(i)) }, a[0]);
+            }
+            i += 16;
+        }
+        let mut sums = [0f32; T];
+        for ((sum, a), x) in sums.iter_mut().zip(&acc).zip(&xs) {
+            let total = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+            *sum = _mm512_reduce_add_ps(total);
+            for (k, xk) in x.iter().enumerate().skip(i) {
+                *sum += decode_at(format, row, k) * xk;
+            }
+        }
+        sums
+    }
+
+    /// `sum over groups g of scale(g) * sum_j table[nibble j] * x_j` for a packed 4-bit row, with
+    /// `x` laid out by `arrange_packed_input`. A run of four groups is one 64-byte load; shifting
+    /// its 32-bit words by 4k puts nibble k of every word in the low bits of its lane, and one
+    /// permute of a 16-entry f32 table turns those into weights (the permute reads only the low
+    /// 4 bits). No byte widening and no integer-to-float conversion: the permutes are the only
+    /// shuffles, which matters because shuffles and half the FMAs share one execution port.
+    /// `scales16(g, n)` decodes the scales of groups `g..g + n` (n <= 16) into the first n lanes.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; `packed` holds 16 bytes per 32 values of `x`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn dot_packed<const T: usize>(
+        table: __m512,
+        packed: &[u8],
+        xs: [&[f32]; T],
+        scales16: impl Fn(usize, usize) -> __m512,
+    ) -> [f32; T] {
+        let groups = packed.len() / 16;
+        assert!(packed.len() == 16 * groups && xs.iter().all(|x| x.len() == 32 * groups));
+        let runs = groups / 4;
+        let p = packed.as_ptr();
+        // Per token, two running totals: consecutive runs do not wait on each other's additions.
+        let mut even = [_mm512_setzero_ps(); T];
+        let mut odd = [_mm512_setzero_ps(); T];
+        // Lane i of run c (c % 4 = j) takes scale 4j + i / 4 of the 16 decoded at once.
+        let spread = |j: i32| {
+            let g = 4 * j;
+            _mm512_setr_epi32(
+                g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 2, g + 2, g + 2, g + 2, g + 3, g + 3,
+                g + 3, g + 3,
+            )
+        };
+        let spreads = [spread(0), spread(1), spread(2), spread(3)];
+        let mut scales = _mm512_setzero_ps();
+        for c in 0..runs {
+            if c % 4 == 0 {
+                let g = 4 * c;
+                scales = scales16(g, (groups - g).min(16));
+            }
+            prefetch_ahead(p.wrapping_add(64 * c), 64);
+            // Safety: run c's 64 bytes are in bounds (c < runs, asserted above).
+            let words = unsafe { _mm512_loadu_si512(p.add(64 * c).cast()) };
+            // The weights of the run, nibble k of every word (lane i: input 8i + k of the run,
+            // all of lane i's inputs from group i / 4).
+            let w = [
+                _mm512_permutexvar_ps(words, table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(words), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<8>(words), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<12>(words), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<16>(words), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<20>(words), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<24>(words), table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<28>(words), table),
+            ];
+            let s = _mm512_permutexvar_ps(spreads[c % 4], scales);
+            // Safety: run c's 128 inputs are in bounds (asserted above).
+            let input =
+                |t: usize, k: usize| unsafe { _mm512_loadu_ps(xs[t].as_ptr().add(128 * c + 16 * k)) };
+            // Per token: a sums the even nibbles' products, b the odd ones'; the tokens'
+            // chains interleave so that independent instructions sit next to each other.
+            let mut a = [_mm512_setzero_ps(); T];
+            let mut b = [_mm512_setzero_ps(); T];
+            for t in 0..T {
+                a[t] = _mm512_mul_ps(w[0], input(t, 0));
+                b[t] = _mm512_mul_ps(w[1], input(t, 1));
+            }
+            for k in 1..4 {
+                for t in 0..T {
+                    a[t] = _mm512_fmadd_ps(w[2 * k], input(t, 2 * k), a[t]);
+                    b[t] = _mm512_fmadd_ps(w[2 * k + 1], input(t, 2 * k + 1), b[t]);
+                }
+            }
+            for t in 0..T {
+                let sum = _mm512_add_ps(a[t], b[t]);
+                if c % 2 == 0 {
+                    even[t] = _mm512_fmadd_ps(sum, s, even[t]);
+                } else {
+                    odd[t] = _mm512_fmadd_ps(sum, s, odd[t]);
+                }
+            }
+        }
+        // The groups after the last whole run: inputs split into evens then odds.
+        let first = 4 * runs;
+        let last_scales = scales16(first, groups - first);
+        for g in first..groups {
+            // Safety: group g's 16 bytes are in bounds (asserted above).
+            let codes = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(16 * g).cast())) };
+            let low = _mm512_permutexvar_ps(codes, table);
+            let high = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(codes), table);
+            let s = _mm512_permutexvar_ps(_mm512_set1_epi32((g - first) as i32), last_scales);
+            for t in 0..T {
+                // Safety: group g's 32 inputs are in bounds (asserted above).
+                let sum = unsafe {
+                    let xg = xs[t].as_ptr().add(32 * g);
+                    let sum = _mm512_mul_ps(low, _mm512_loadu_ps(xg));
+                    _mm512_fmadd_ps(high, _mm512_loadu_ps(xg.add(16)), sum)
+                };
+                even[t] = _mm512_fmadd_ps(sum, s, even[t]);
+            }
+        }
+        let mut sums = [0f32; T];
+        for t in 0..T {
+            sums[t] = _mm512_reduce_add_ps(_mm512_add_ps(even[t], odd[t]));
+        }
+        sums
+    }
+
+    /// Runs `$call` (an expression of `$block`, an array of up to four inputs) over `$xs` four
+    /// inputs at a time, then the rest together, writing each result into `$out`.
+    macro_rules! in_blocks_of_four {
+        ($xs:expr, $out:expr, |$block:ident| $call:expr) => {{
+            let (xs, out): (&[&[f32]], &mut [f32]) = ($xs, $out);
+            assert_eq!(xs.len(), out.len());
+            let mut t = 0;
+            while t < xs.len() {
+                let sums = &mut out[t..];
+                match xs.len() - t {
+                    1 => {
+                        let $block = [xs[t]];
+                        sums[..1].copy_from_slice(&$call);
+                        t += 1;
+                    }
+                    2 => {
+                        let $block = [xs[t], xs[t + 1]];
+                        sums[..2].copy_from_slice(&$call);
+                        t += 2;
+                    }
+                    3 => {
+                        let $block = [xs[t], xs[t + 1], xs[t + 2]];
+                        sums[..3].copy_from_slice(&$call);
+                        t += 3;
+                    }
+                    _ => {
+                        let $block = [xs[t], xs[t + 1], xs[t + 2], xs[t + 3]];
+                        sums[..4].copy_from_slice(&$call);
+                        t += 4;
+                    }
+                }
+            }
+        }};
+    }
+
+    /// # Safety
+    /// As `dot_floats_tokens`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn dot_floats_each(format: FloatFormat, row: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+        // Safety: the caller's guarantees.
+        in_blocks_of_four!(xs, out, |block| unsafe { dot_floats_tokens(format, row, block) });
+    }
+
+    /// The 16 E8M0 scales from group `g` (the first `n` of them) as f32.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL; groups `g..g + n` exist in `scales`, n <= 16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn e8m0_scales16(scales: &[u8], g: usize, n: usize) -> __m512 {
+        assert!(n <= 16 && g + n <= scales.len());
+        // Safety: the masked load reads bytes g..g + n only, which exist; masked-out bytes are
+        // never touched.
+        let raw = unsafe { _mm_maskz_loadu_epi8(lane_mask(n) as u16, scales.as_ptr().add(g).cast()) };
+        let raw = _mm512_cvtepu8_epi32(raw);
+        // 2^(s - 127) is the float with exponent field s; s = 0 is the subnormal 2^-127.
+        let bits = _mm512_slli_epi32::<23>(raw);
+        let zero = _mm512_cmpeq_epi32_mask(raw, _mm512_setzero_si512());
+        _mm512_castsi512_ps(_mm512_mask_mov_epi32(bits, zero, _mm512_set1_epi32(0x0040_0000)))
+    }
+
+    /// The 16 f16 scales from group `g` (the first `n` of them) as f32.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL; groups `g..g + n` exist in `scales` (2 bytes each), n <= 16.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn f16_scales16(scales: &[u8], g: usize, n: usize) -> __m512 {
+        assert!(n <= 16 && 2 * (g + n) <= scales.len());
+        // Safety: the masked load reads the n scales from group g, which exist.
+        let raw = unsafe { _mm256_maskz_loadu_epi16(lane_mask(n) as u16, scales.as_ptr().add(2 * g).cast()) };
+        _mm512_cvtph_ps(raw)
+    }
+
+    /// E2M1 values by 4-bit code.
+    fn fp4_table() -> __m512 {
+        // Safety: the table holds 16 floats; AVX-512F is enabled wherever this is inlined.
+        unsafe { _mm512_loadu_ps(FP4_VALUES.as_ptr()) }
+    }
+
+    /// Signed INT4 values (nibble - 8) by 4-bit code.
+    fn int4_table() -> __m512 {
+        const CENTERED: [f32; 16] = [
+            -8.0, -7.0, -6.0, -5.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0,
+        ];
+        // Safety: as in `fp4_table`.
+        unsafe { _mm512_loadu_ps(CENTERED.as_ptr()) }
+    }
+
+    /// # Safety
+    /// As `dot_packed`; `scales` holds one E8M0 byte per group.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+        let scales16 = |g, n| unsafe { e8m0_scales16(scales, g, n) };
+        // Safety: the caller's guarantees are `dot_packed`'s.
+        unsafe { dot_packed(fp4_table(), blocks, [x], scales16)[0] }
+    }
+
+    /// # Safety
+    /// As `dot_mxfp4`, for every input.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn dot_mxfp4_each(blocks: &[u8], scales: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+        let scales16 = |g, n| unsafe { e8m0_scales16(scales, g, n) };
+        let table = fp4_table();
+        // Safety: the caller's guarantees are `dot_packed`'s.
+        in_blocks_of_four!(xs, out, |block| unsafe { dot_packed(table, blocks, block, scales16) });
+    }
+
+    /// # Safety
+    /// As `dot_packed`; `scales` holds one little-endian f16 per group.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn dot_int4(qweight: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+        let scales16 = |g, n| unsafe { f16_scales16(scales, g, n) };
+        // Safety: the caller's guarantees are `dot_packed`'s.
+        unsafe { dot_packed(int4_table(), qweight, [x], scales16)[0] }
+    }
+
+    /// # Safety
+    /// As `dot_int4`, for every input.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn dot_int4_each(qweight: &[u8], scales: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+        let scales16 = |g, n| unsafe { f16_scales16(scales, g, n) };
+        let table = int4_table();
+        // Safety: the caller's guarantees are `dot_packed`'s.
+        in_blocks_of_four!(xs, out, |block| unsafe { dot_packed(table, qweight, block, scales16) });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::matmul::{dot_dense_scalar, dot_mxfp4_scalar};
-    use crate::weights::FloatFormat;
+    use crate::cpu::matmul::{dot_dense_scalar, dot_int4_scalar, dot_mxfp4_scalar};
 
     fn values(n: usize, seed: u32) -> Vec<f32> {
         (0..n)
@@ -214,6 +709,21 @@ mod tests {
                 let v = (i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8;
                 (v % 2001) as f32 / 1000.0 - 1.0
             })
+            .collect()
+    }
+
+    fn bf16_bytes(values: &[f32]) -> Vec<u8> {
+        values
+            .iter()
+            .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
+            .collect()
+    }
+
+    /// Every SIMD kernel set this CPU has (the scalar reference excluded).
+    fn simd_sets() -> Vec<CpuKernels> {
+        [CpuKernels::Avx2, CpuKernels::Avx512]
+            .into_iter()
+            .filter(|&k| k <= detect())
             .collect()
     }
 
@@ -226,77 +736,148 @@ mod tests {
         );
     }
 
+    fn packed(kernel: PackedDot, w: &[u8], s: &[u8], x: &[f32]) -> f32 {
+        let mut split = Vec::new();
+        if kernel.arranged_input {
+            arrange_packed_input(x, x.len(), &mut split);
+            (kernel.dot)(w, s, &split)
+        } else {
+            (kernel.dot)(w, s, x)
+        }
+    }
+
     #[test]
     fn simd_dots_match_the_scalar_reference() {
-        if detect() == CpuKernels::Scalar {
+        let sets = simd_sets();
+        if sets.is_empty() {
             eprintln!("no SIMD kernels on this CPU: nothing to compare");
             return;
         }
-        for n in [32, 64, 96, 2880, 2880 + 32] {
-            let x = values(n, 7);
-            let w = values(n, 3);
-            let row: Vec<u8> = w
-                .iter()
-                .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
-                .collect();
-            let magnitude: f32 = w.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum();
-            let simd = dot_bf16(&row, &x).unwrap();
-            close(
-                simd,
-                dot_dense_scalar(FloatFormat::Bf16, &row, &x),
-                magnitude,
-                "bf16",
-            );
+        for kernels in sets {
+            let name = kernels.name();
+            for n in [32, 64, 96, 2880, 2880 + 32] {
+                let x = values(n, 7);
+                let w = values(n, 3);
+                let row = bf16_bytes(&w);
+                let magnitude: f32 = w.iter().zip(&x).map(|(a, b)| (a * b).abs()).sum();
+                let simd = float_dot(kernels)(FloatFormat::Bf16, &row, &x);
+                let scalar = dot_dense_scalar(FloatFormat::Bf16, &row, &x);
+                close(simd, scalar, magnitude, &format!("{name} bf16 n={n}"));
 
-            let blocks: Vec<u8> = (0..n / 2).map(|i| (i * 37 + 11) as u8).collect();
-            // Scales around 2^0, plus the extremes of E8M0.
-            let scales: Vec<u8> = (0..n / 32).map(|g| [127, 120, 130, 1][g % 4]).collect();
-            let simd = dot_mxfp4(&blocks, &scales, &x).unwrap();
-            let scalar = dot_mxfp4_scalar(&blocks, &scales, &x);
-            close(
-                simd,
-                scalar,
-                6.0 * 8.0 * x.iter().map(|v| v.abs()).sum::<f32>(),
-                "mxfp4",
-            );
+                let blocks: Vec<u8> = (0..n / 2).map(|i| (i * 37 + 11) as u8).collect();
+                // Scales around 2^0, plus the extremes of E8M0.
+                let scales: Vec<u8> = (0..n / 32).map(|g| [127, 120, 130, 1, 0][g % 5]).collect();
+                let simd = packed(mxfp4_dot(kernels), &blocks, &scales, &x);
+                let scalar = dot_mxfp4_scalar(&blocks, &scales, &x);
+                let x_sum = x.iter().map(|v| v.abs()).sum::<f32>();
+                close(simd, scalar, 6.0 * 8.0 * x_sum, &format!("{name} mxfp4 n={n}"));
+
+                let int4_scales: Vec<u8> = (0..n / 32)
+                    .flat_map(|g| half::f16::from_f32(0.01 * (g % 7 + 1) as f32).to_le_bytes())
+                    .collect();
+                let simd = packed(int4_dot(kernels), &blocks, &int4_scales, &x);
+                let scalar = dot_int4_scalar(&blocks, &int4_scales, &x);
+                close(simd, scalar, 8.0 * 0.07 * x_sum, &format!("{name} int4 n={n}"));
+            }
+            // The same values stored as f32 or f16 sum in the same order: bit-identical.
+            for n in [40, 2880] {
+                let x = values(n, 5);
+                let bf16 = bf16_bytes(&values(n, 9));
+                let widened: Vec<u8> = bf16
+                    .chunks_exact(2)
+                    .flat_map(|b| crate::cpu::formats::bf16_to_f32(b[0], b[1]).to_le_bytes())
+                    .collect();
+                let as_f16: Vec<u8> = [0u8, 0x3c, 0x00, 0xc0].repeat(n / 2); // 1.0, -2.0, ...
+                let as_f32: Vec<u8> = [1.0f32, -2.0]
+                    .repeat(n / 2)
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect();
+                let dot = float_dot(kernels);
+                assert_eq!(
+                    dot(FloatFormat::Bf16, &bf16, &x),
+                    dot(FloatFormat::F32, &widened, &x),
+                    "{name}"
+                );
+                assert_eq!(
+                    dot(FloatFormat::F16, &as_f16, &x),
+                    dot(FloatFormat::F32, &as_f32, &x),
+                    "{name}"
+                );
+            }
+            // Odd lengths: the tail runs scalar.
+            for n in [13, 77] {
+                let x = values(n, 1);
+                let row = bf16_bytes(&values(n, 2));
+                close(
+                    float_dot(kernels)(FloatFormat::Bf16, &row, &x),
+                    dot_dense_scalar(FloatFormat::Bf16, &row, &x),
+                    n as f32,
+                    &format!("{name} bf16 tail n={n}"),
+                );
+            }
         }
-        // The same values stored as f32 or f16 sum in the same order: bit-identical.
-        for n in [40, 2880] {
-            let x = values(n, 5);
-            let bf16: Vec<u8> = values(n, 9)
-                .iter()
-                .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
-                .collect();
-            let widened: Vec<u8> = bf16
-                .chunks_exact(2)
-                .flat_map(|b| crate::cpu::formats::bf16_to_f32(b[0], b[1]).to_le_bytes())
-                .collect();
-            let as_f16: Vec<u8> = [0u8, 0x3c, 0x00, 0xc0].repeat(n / 2); // 1.0, -2.0, ...
-            let as_f32: Vec<u8> = [1.0f32, -2.0]
-                .repeat(n / 2)
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .collect();
-            assert_eq!(
-                dot_floats(FloatFormat::Bf16, &bf16, &x),
-                dot_floats(FloatFormat::F32, &widened, &x)
-            );
-            assert_eq!(
-                dot_floats(FloatFormat::F16, &as_f16, &x),
-                dot_floats(FloatFormat::F32, &as_f32, &x)
-            );
-        }
-        // Odd lengths: the bf16 tail runs scalar.
-        let x = values(13, 1);
-        let row: Vec<u8> = values(13, 2)
-            .iter()
-            .flat_map(|v| ((v.to_bits() >> 16) as u16).to_le_bytes())
+    }
+
+    #[test]
+    fn batched_dots_equal_one_input_dots_bit_for_bit() {
+        let n = 2880 + 64; // whole runs of four groups and two groups after them
+        let inputs: Vec<Vec<f32>> = (0..7).map(|t| values(n, 11 + t)).collect();
+        let row = bf16_bytes(&values(n, 4));
+        let blocks: Vec<u8> = (0..n / 2).map(|i| (i * 53 + 5) as u8).collect();
+        let scales: Vec<u8> = (0..n / 32).map(|g| 120 + (g % 9) as u8).collect();
+        let int4_scales: Vec<u8> = (0..n / 32)
+            .flat_map(|g| half::f16::from_f32(0.02 * (g % 5 + 1) as f32).to_le_bytes())
             .collect();
-        close(
-            dot_bf16(&row, &x).unwrap(),
-            dot_dense_scalar(FloatFormat::Bf16, &row, &x),
-            13.0,
-            "bf16 tail",
-        );
+        for kernels in [CpuKernels::Scalar, CpuKernels::Avx2, CpuKernels::Avx512] {
+            for count in 1..=7 {
+                let xs: Vec<&[f32]> = inputs[..count].iter().map(Vec::as_slice).collect();
+                let mut sums = vec![0f32; count];
+                float_dot_each(kernels)(FloatFormat::Bf16, &row, &xs, &mut sums);
+                for (x, sum) in xs.iter().zip(&sums) {
+                    assert_eq!(*sum, float_dot(kernels)(FloatFormat::Bf16, &row, x));
+                }
+                for (kernel, scales) in [
+                    (mxfp4_dot(kernels), &scales),
+                    (int4_dot(kernels), &int4_scales),
+                ] {
+                    let arranged: Vec<Vec<f32>> = xs
+                        .iter()
+                        .map(|x| {
+                            let mut a = Vec::new();
+                            if kernel.arranged_input {
+                                arrange_packed_input(x, n, &mut a);
+                            } else {
+                                a.extend_from_slice(x);
+                            }
+                            a
+                        })
+                        .collect();
+                    let refs: Vec<&[f32]> = arranged.iter().map(Vec::as_slice).collect();
+                    (kernel.dot_each)(&blocks, scales, &refs, &mut sums);
+                    for (x, sum) in refs.iter().zip(&sums) {
+                        assert_eq!(*sum, (kernel.dot)(&blocks, scales, x), "{kernels:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn arranged_input_follows_the_nibbles_of_each_word() {
+        // Two rows of 160 inputs: one run of 128, then one group split into evens and odds.
+        let x: Vec<f32> = (0..320).map(|i| i as f32).collect();
+        let mut arranged = Vec::new();
+        arrange_packed_input(&x, 160, &mut arranged);
+        let expected: Vec<f32> = (0..2)
+            .flat_map(|row| {
+                let base = 160 * row;
+                let run = (0..8).flat_map(move |k| (0..16).map(move |i| base + 8 * i + k));
+                let evens = (0..16).map(move |j| base + 128 + 2 * j);
+                let odds = (0..16).map(move |j| base + 128 + 2 * j + 1);
+                run.chain(evens).chain(odds).map(|v| v as f32)
+            })
+            .collect();
+        assert_eq!(arranged, expected);
     }
 }
