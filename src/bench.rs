@@ -30,7 +30,16 @@ pub struct BenchOptions {
     pub prompt_tokens: usize,
     pub gen_tokens: usize,
     pub seed: u64,
+    /// Measure the machine's read bandwidth and judge decode against it; also time the
+    /// prefill of a 512-token prompt.
+    pub roofline: bool,
 }
+
+/// Prompt length of the second prefill measurement of a roofline bench.
+pub const LONG_PROMPT_TOKENS: usize = 512;
+
+/// Size of the buffer the bandwidth measurement reads: far beyond any last-level cache.
+const BANDWIDTH_BUFFER_BYTES: usize = 2 << 30;
 
 /// One configuration's measurements. Rates over the decode phase unless named otherwise.
 #[derive(Debug, Clone, Serialize)]
@@ -64,6 +73,65 @@ pub struct BenchRun {
     pub evictions: u64,
     /// Peak resident memory during this run (Linux; null elsewhere).
     pub peak_rss_bytes: Option<u64>,
+    /// Threads of the CPU tier and the kernels it ran (avx512, avx2, scalar).
+    pub threads: usize,
+    pub cpu_kernels: String,
+    /// Seconds spent faulting in the mapped weights before timing (experts included when they
+    /// all fit the RAM budget): what a first prompt would otherwise pay.
+    pub warmup_s: f64,
+    /// Bytes one decoded token reads: attention and router weights of every layer, the LM head,
+    /// an embedding row, the experts it requested (measured) with their biases, and the KV
+    /// cache positions its queries see.
+    pub bytes_per_token: f64,
+    /// bytes_per_token x decode tokens/s.
+    pub achieved_bytes_per_s: f64,
+    /// This machine's read bandwidth, measured in the same bench (roofline runs only).
+    pub bandwidth_bytes_per_s: Option<f64>,
+    /// achieved / measured bandwidth (roofline runs only).
+    pub roofline_fraction: Option<f64>,
+    /// Prefill speed of a 512-token prompt (roofline runs only).
+    pub prefill_512_tokens_per_s: Option<f64>,
+}
+
+/// Bytes a decode step at each of `positions` reads, on average: see `BenchRun::bytes_per_token`.
+pub fn decode_bytes_per_token(
+    model: &Model,
+    expert_requests_per_token: f64,
+    positions: std::ops::Range<usize>,
+) -> f64 {
+    let cfg = &model.config;
+    let w = &model.weights;
+    let floats = |v: &[f32]| (v.len() * 4) as f64;
+    let dense: f64 = w
+        .layers
+        .iter()
+        .map(|l| {
+            [&l.q, &l.k, &l.v, &l.o, &l.router]
+                .iter()
+                .map(|m| m.data.bytes().len() as f64)
+                .sum::<f64>()
+                + floats(&l.router_bias)
+                + floats(&l.sinks)
+        })
+        .sum::<f64>()
+        + w.lm_head.data.bytes().len() as f64
+        + (w.embeddings.cols * w.embeddings.format.size()) as f64;
+    let expert_biases = ((2 * cfg.intermediate_size + cfg.hidden_size) * 4) as f64;
+    let experts = expert_requests_per_token * (model.experts.expert_bytes() as f64 + expert_biases);
+    // Keys and values (f32) of the positions each layer's queries see.
+    let steps = positions.len().max(1) as f64;
+    let kv: f64 = positions
+        .map(|p| {
+            (0..cfg.num_layers)
+                .map(|l| {
+                    let first = crate::cpu::attention::first_visible_key(p, cfg.window_of(l));
+                    ((p + 1 - first) * cfg.kv_dim() * 2 * 4) as f64
+                })
+                .sum::<f64>()
+        })
+        .sum::<f64>()
+        / steps;
+    dense + experts + kv
 }
 
 /// Resets the kernel's peak-RSS mark so each run reports its own peak (Linux); false where it
@@ -115,6 +183,17 @@ pub fn run_bench(
         .flat_map(|&v| options.ram_budgets.iter().map(move |&r| (v, r)))
         .flat_map(|(v, r)| prefetch.iter().map(move |&p| (v, r, p)))
         .collect();
+    let bandwidth = options.roofline.then(|| {
+        let b = crate::cpu::machine::measure_read_bandwidth(BANDWIDTH_BUFFER_BYTES, 3);
+        log::info!(
+            "read bandwidth: {:.2} GB/s ({} threads, {} MiB read {} times, best pass)",
+            b.bytes_per_s / 1e9,
+            b.threads,
+            b.buffer_bytes >> 20,
+            b.passes
+        );
+        b
+    });
     let mut runs = Vec::new();
     for (done, &(vram_budget, budget, prefetch)) in configurations.iter().enumerate() {
         let peak_is_this_runs = reset_peak_rss();
@@ -130,6 +209,9 @@ pub fn run_bench(
                 ..Default::default()
             },
         )?;
+        let warmup = Instant::now();
+        model.warm_up();
+        let warmup_s = warmup.elapsed().as_secs_f64();
         let ids = prompt(options.prompt_tokens, model.config.vocab_size, options.seed);
         let context = options.prompt_tokens + options.gen_tokens;
         let gpu_options = GpuTierOptions {
@@ -155,18 +237,37 @@ pub fn run_bench(
             &mut |_, _| marks.push(model.experts.stats()),
         )?;
         log::debug!("run took {:.1} s", started.elapsed().as_secs_f64());
+        let on_gpu = session.gpu().is_some();
+        let backend = session.backend().to_string();
+        let vram_budget_bytes = session
+            .gpu()
+            .map(|g| g.vram_experts() as u64 * vram_bytes_per_expert(&model));
         let decode = marks[1].since(&marks[0]);
         let decoded = out.decode_tokens.max(1) as f64;
-        let on_gpu = session.gpu().is_some();
+        // Decode steps run at positions prompt..prompt + decoded (the first token comes from
+        // the prompt's logits).
+        let first_step = options.prompt_tokens;
+        let bytes_per_token = decode_bytes_per_token(
+            &model,
+            decode.requests as f64 / decoded,
+            first_step..first_step + out.decode_tokens,
+        );
+        let decode_tokens_per_s = out.decode_tokens_per_s().unwrap_or(0.0);
+        let achieved_bytes_per_s = bytes_per_token * decode_tokens_per_s;
+        drop(session);
+        let prefill_512_tokens_per_s = if options.roofline {
+            Some(long_prefill_tokens_per_s(&model, options, vram_budget)?)
+        } else {
+            None
+        };
+
         let rate = |hits: u64| (decode.requests > 0).then(|| hits as f64 / decode.requests as f64);
         runs.push(BenchRun {
-            backend: session.backend().to_string(),
+            backend,
             ram_budget: format!("{budget:?}"),
             ram_budget_bytes: model.experts.budget(),
             vram_budget: format!("{vram_budget:?}"),
-            vram_budget_bytes: session
-                .gpu()
-                .map(|g| g.vram_experts() as u64 * vram_bytes_per_expert(&model)),
+            vram_budget_bytes,
             vram_hit_rate: if on_gpu { rate(decode.vram_hits) } else { None },
             upload_bytes_per_token: decode.upload_bytes as f64 / decoded,
             prefetch,
@@ -175,7 +276,7 @@ pub fn run_bench(
             prefetch_bytes_per_token: decode.prefetch.bytes as f64 / decoded,
             prefill_tokens_per_s: options.prompt_tokens as f64
                 / (out.prefill_ms.max(1e-6) / 1000.0),
-            decode_tokens_per_s: out.decode_tokens_per_s().unwrap_or(0.0),
+            decode_tokens_per_s,
             ram_hit_rate: rate(decode.ram_hits),
             disk_bytes_per_token: (decode.disk_bytes + decode.prefetch.bytes) as f64 / decoded,
             io_wait_share: if out.decode_ms > 0.0 {
@@ -186,10 +287,52 @@ pub fn run_bench(
             expert_requests: decode.requests,
             evictions: decode.evictions,
             peak_rss_bytes: peak_is_this_runs.then(peak_rss_bytes).flatten(),
+            threads: rayon::current_num_threads(),
+            cpu_kernels: crate::cpu::simd::kernels().name().to_string(),
+            warmup_s,
+            bytes_per_token,
+            achieved_bytes_per_s,
+            bandwidth_bytes_per_s: bandwidth.map(|b| b.bytes_per_s),
+            roofline_fraction: bandwidth.map(|b| achieved_bytes_per_s / b.bytes_per_s),
+            prefill_512_tokens_per_s,
         });
         progress(done + 1, configurations.len());
     }
     Ok(runs)
+}
+
+/// Prefill speed of a `LONG_PROMPT_TOKENS` prompt on `model` (already warm), on a fresh session.
+fn long_prefill_tokens_per_s(
+    model: &Model,
+    options: &BenchOptions,
+    vram_budget: VramBudget,
+) -> Result<f64> {
+    let ids = prompt(
+        LONG_PROMPT_TOKENS,
+        model.config.vocab_size,
+        options.seed.wrapping_add(1),
+    );
+    let context = LONG_PROMPT_TOKENS + 1;
+    let gpu_options = GpuTierOptions {
+        context,
+        vram_budget,
+        miss_policy: options.miss_policy,
+        ..Default::default()
+    };
+    let mut session = open_session(model, options.backend, &gpu_options)?;
+    let out = generate_observed(
+        &mut session,
+        &model.config,
+        &ids,
+        &GenerateOptions {
+            max_new_tokens: 1,
+            top_logits: 0,
+            stop_at_eos: false,
+            context,
+        },
+        &mut |_, _| {},
+    )?;
+    Ok(LONG_PROMPT_TOKENS as f64 / (out.prefill_ms.max(1e-6) / 1000.0))
 }
 
 /// The runs as CSV, one row each.

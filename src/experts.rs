@@ -483,6 +483,8 @@ enum PendingState {
 
 /// The experts of a model: disk -> RAM LRU, read by IO threads.
 pub struct ExpertStore {
+    /// Where the experts live (also held by the IO threads).
+    shared: Arc<Shared>,
     jobs: flume::Sender<(ExpertKey, Reply)>,
     cache: Mutex<Lru>,
     budget: u64,
@@ -588,6 +590,7 @@ impl ExpertStore {
         log::debug!("expert RAM budget: {budget} bytes of {total_expert_bytes}");
         let experts_per_layer = weights.layers.first().map_or(0, |l| l.gate_up.experts());
         let store = ExpertStore {
+            shared: shared.clone(),
             jobs,
             cache: Mutex::new(Lru {
                 entries: HashMap::new(),
@@ -805,6 +808,24 @@ impl ExpertStore {
     }
 
     /// Bytes of one expert (gate_up and down weights with their scales).
+    /// Whether every expert fits the budget and is computed in place from the mapped files.
+    pub fn is_mapped(&self) -> bool {
+        self.shared.mapped.is_some()
+    }
+
+    /// Faults in every mapped expert now, in parallel (a no-op unless `is_mapped`), so the first
+    /// prompt does not pay for it. Counters are untouched: the first request of an expert still
+    /// counts as its read.
+    pub fn warm_up(&self) {
+        if let Some(mapped) = &self.shared.mapped {
+            use rayon::prelude::*;
+            mapped.par_iter().for_each(|(gate_up, down)| {
+                gate_up.populate();
+                down.populate();
+            });
+        }
+    }
+
     pub fn expert_bytes(&self) -> u64 {
         self.expert_bytes
     }

@@ -23,6 +23,9 @@ use picchio::weights::{Checkpoint, tensor_format, tensor_role};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Threads of the CPU tier (default: the physical cores).
+    #[arg(long, global = true, value_name = "N")]
+    threads: Option<usize>,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -215,6 +218,11 @@ enum Command {
         /// Seed of the random prompt.
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Also measure this machine's read bandwidth and report each run's decode against it
+        /// (bytes per token, GB/s, roofline fraction), and the prefill speed of a 512-token
+        /// prompt.
+        #[arg(long)]
+        roofline: bool,
         /// Print one JSON object {"runs": [...]} instead of a table.
         #[arg(long)]
         json: bool,
@@ -273,6 +281,11 @@ fn main() -> ExitCode {
 }
 
 fn run(cli: Cli) -> Result<()> {
+    let threads = picchio::cpu::machine::set_threads(cli.threads)?;
+    log::debug!(
+        "CPU tier: {threads} threads, {} kernels",
+        picchio::cpu::simd::kernels().name()
+    );
     match cli.command {
         Command::Generate {
             prompt,
@@ -424,6 +437,7 @@ fn run(cli: Cli) -> Result<()> {
             prompt_tokens,
             gen_tokens,
             seed,
+            roofline,
             json,
             csv,
             plot,
@@ -440,6 +454,7 @@ fn run(cli: Cli) -> Result<()> {
                 prompt_tokens,
                 gen_tokens,
                 seed,
+                roofline,
             };
             bench(&options, json, csv, plot)
         }
@@ -758,6 +773,7 @@ fn bench(
         "peak RSS"
     );
     let percent = |h: Option<f64>| h.map_or("-".to_string(), |h| format!("{:.1}%", h * 100.0));
+    let roofline = runs.iter().any(|r| r.roofline_fraction.is_some());
     for r in &runs {
         println!(
             "{:<8} {:>11} {:>11} {:>8} {:>10.2} {:>10.2} {:>9} {:>9} {:>14.0} {:>14.0} {:>7.1}% {:>10}",
@@ -778,6 +794,37 @@ fn bench(
             r.io_wait_share * 100.0,
             r.peak_rss_bytes.map_or("-".to_string(), human_short),
         );
+    }
+    if roofline {
+        println!();
+        println!(
+            "{:<8} {:>7} {:>8} {:>12} {:>9} {:>10} {:>9} {:>10} {:>13}",
+            "backend",
+            "threads",
+            "kernels",
+            "bytes/token",
+            "GB/s",
+            "bandwidth",
+            "roofline",
+            "decode/s",
+            "prefill512/s"
+        );
+        for r in &runs {
+            println!(
+                "{:<8} {:>7} {:>8} {:>12} {:>9.2} {:>10} {:>8.1}% {:>10.2} {:>13}",
+                r.backend,
+                r.threads,
+                r.cpu_kernels,
+                human_short(r.bytes_per_token as u64),
+                r.achieved_bytes_per_s / 1e9,
+                r.bandwidth_bytes_per_s
+                    .map_or("-".to_string(), |b| format!("{:.2} GB/s", b / 1e9)),
+                r.roofline_fraction.unwrap_or(0.0) * 100.0,
+                r.decode_tokens_per_s,
+                r.prefill_512_tokens_per_s
+                    .map_or("-".to_string(), |p| format!("{p:.2}")),
+            );
+        }
     }
     Ok(())
 }

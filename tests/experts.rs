@@ -88,6 +88,7 @@ fn bench_sweeps_budgets_and_writes_csv_and_plot() {
         prompt_tokens: 8,
         gen_tokens: 6,
         seed: 3,
+        roofline: false,
     };
     let mut calls = 0;
     let runs = run_bench(&options, &mut |_, _| calls += 1).unwrap();

@@ -196,6 +196,7 @@ fn bench_sweeps_vram_budgets() {
         prompt_tokens: 8,
         gen_tokens: 6,
         seed: 3,
+        roofline: false,
     };
     let runs = run_bench(&options, &mut |_, _| {}).unwrap();
     assert_eq!(runs.len(), 2);

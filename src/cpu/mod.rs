@@ -6,6 +6,7 @@
 
 pub mod attention;
 pub mod formats;
+pub mod machine;
 pub mod matmul;
 pub mod moe;
 pub mod norm;

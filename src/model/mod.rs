@@ -179,6 +179,19 @@ impl Model {
         })
     }
 
+    /// Faults in the mapped dense weights, and the experts when they all fit the RAM budget
+    /// (`ExpertStore::warm_up`), so that timing starts with the model in memory.
+    pub fn warm_up(&self) {
+        let w = &self.weights;
+        // Not the embeddings: a prompt reads one row per token.
+        let mut dense: Vec<&crate::weights::DenseMatrix> = vec![&w.lm_head];
+        for l in &w.layers {
+            dense.extend([&l.q, &l.k, &l.v, &l.o, &l.router]);
+        }
+        dense.par_iter().for_each(|m| m.data.populate());
+        self.experts.warm_up();
+    }
+
     /// A KV cache for this model holding at most `context` positions.
     pub fn new_cache(&self, context: usize) -> KvCache {
         KvCache::new(&self.config, context)

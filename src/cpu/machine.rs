@@ -1,0 +1,140 @@
+//! What the CPU tier needs to know about the machine: how many threads to run and how fast
+//! memory reads (the roofline decode speed is judged against).
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+/// Physical cores (not hardware threads): the CPU tier's default thread count. Decode is bound
+/// by memory bandwidth, which a second thread per core does not add to, while its share of the
+/// core's execution ports slows the first.
+pub fn physical_cores() -> usize {
+    let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
+    #[cfg(target_os = "linux")]
+    if let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") {
+        // Distinct (physical id, core id) pairs; absent fields (some VMs, non-x86) fall back.
+        let mut cores = std::collections::BTreeSet::new();
+        let (mut package, mut core) = (None, None);
+        for line in info.lines().chain(std::iter::once("")) {
+            let mut field = line.splitn(2, ':').map(str::trim);
+            match (field.next(), field.next()) {
+                (Some("physical id"), Some(v)) => package = Some(v.to_string()),
+                (Some("core id"), Some(v)) => core = Some(v.to_string()),
+                (Some(""), _) | (None, _) => {
+                    if let (Some(p), Some(c)) = (package.take(), core.take()) {
+                        cores.insert((p, c));
+                    }
+                }
+                _ => {}
+            }
+        }
+        if !cores.is_empty() {
+            return cores.len().min(logical);
+        }
+    }
+    logical
+}
+
+/// Sets the CPU tier's thread count (`None`: physical cores) for the rest of the process.
+/// Must run before any parallel work; a second call keeps the first pool.
+pub fn set_threads(threads: Option<usize>) -> crate::error::Result<usize> {
+    let threads = threads.unwrap_or_else(physical_cores);
+    if threads == 0 {
+        return Err(crate::error::Error::InvalidArgument(
+            "--threads must be at least 1".into(),
+        ));
+    }
+    if let Err(e) = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .thread_name(|i| format!("picchio-cpu-{i}"))
+        .build_global()
+    {
+        log::warn!("thread pool already running ({e}); keeping it");
+    }
+    Ok(rayon::current_num_threads())
+}
+
+/// A measured memory read bandwidth.
+#[derive(Debug, Clone, Copy, serde::Serialize)]
+pub struct Bandwidth {
+    /// The best pass, bytes per second.
+    pub bytes_per_s: f64,
+    /// Size of the buffer read (larger than the caches).
+    pub buffer_bytes: usize,
+    pub passes: usize,
+    pub threads: usize,
+}
+
+/// Reads a `buffer_bytes` buffer `passes` times with every thread of the CPU tier's pool, as the
+/// kernels read weights (ordinary pages, each thread streaming its own chunks), and keeps the
+/// fastest pass. The buffer should be several times the last-level cache.
+pub fn measure_read_bandwidth(buffer_bytes: usize, passes: usize) -> Bandwidth {
+    const CHUNK_WORDS: usize = 1 << 15; // 256 KiB per task
+    let words = (buffer_bytes / 8).max(CHUNK_WORDS);
+    // Written once so every page is real memory, not the shared zero page.
+    let mut buffer = vec![0u64; words];
+    buffer
+        .par_chunks_mut(CHUNK_WORDS)
+        .enumerate()
+        .for_each(|(c, chunk)| {
+            for (i, w) in chunk.iter_mut().enumerate() {
+                *w = (c * CHUNK_WORDS + i) as u64;
+            }
+        });
+    let mut best = 0f64;
+    for _ in 0..passes.max(1) {
+        let started = Instant::now();
+        let sum = buffer
+            .par_chunks(CHUNK_WORDS)
+            .map(sum_words)
+            .reduce(|| 0, u64::wrapping_add);
+        let seconds = started.elapsed().as_secs_f64();
+        std::hint::black_box(sum);
+        best = best.max((words * 8) as f64 / seconds);
+    }
+    Bandwidth {
+        bytes_per_s: best,
+        buffer_bytes: words * 8,
+        passes: passes.max(1),
+        threads: rayon::current_num_threads(),
+    }
+}
+
+/// A sum that must read every word, in eight independent lanes (vectorized, far from
+/// compute-bound).
+fn sum_words(words: &[u64]) -> u64 {
+    let mut lanes = [0u64; 8];
+    let mut blocks = words.chunks_exact(8);
+    for block in &mut blocks {
+        for (lane, w) in lanes.iter_mut().zip(block) {
+            *lane = lane.wrapping_add(*w);
+        }
+    }
+    let tail = blocks.remainder().iter().fold(0u64, |a, w| a.wrapping_add(*w));
+    lanes.iter().fold(tail, |a, w| a.wrapping_add(*w))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn physical_cores_is_at_least_one_and_at_most_the_logical_cpus() {
+        let logical = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cores = physical_cores();
+        assert!(cores >= 1 && cores <= logical, "{cores} of {logical}");
+    }
+
+    #[test]
+    fn word_sums_read_every_word() {
+        let words: Vec<u64> = (1..=21).collect();
+        assert_eq!(sum_words(&words), 21 * 22 / 2);
+    }
+
+    #[test]
+    fn bandwidth_is_positive_and_reports_its_buffer() {
+        let b = measure_read_bandwidth(1 << 20, 2);
+        assert!(b.bytes_per_s > 0.0 && b.bytes_per_s.is_finite());
+        assert_eq!((b.buffer_bytes, b.passes), (1 << 20, 2));
+    }
+}
