@@ -33,6 +33,8 @@ pub struct BenchOptions {
     /// Measure the machine's read bandwidth and judge decode against it; also time the
     /// prefill of a 512-token prompt.
     pub roofline: bool,
+    /// How the CPU tier holds dense weights in every run.
+    pub dense_format: crate::cpu::q8::DenseFormat,
 }
 
 /// Prompt length of the second prefill measurement of a roofline bench.
@@ -76,6 +78,8 @@ pub struct BenchRun {
     /// Threads of the CPU tier and the kernels it ran (avx512, avx2, scalar).
     pub threads: usize,
     pub cpu_kernels: String,
+    /// checkpoint (exact) or q8.
+    pub dense_format: String,
     /// Seconds spent faulting in the mapped weights before timing (experts included when they
     /// all fit the RAM budget): what a first prompt would otherwise pay.
     pub warmup_s: f64,
@@ -100,22 +104,14 @@ pub fn decode_bytes_per_token(
     positions: std::ops::Range<usize>,
 ) -> f64 {
     let cfg = &model.config;
-    let w = &model.weights;
     let floats = |v: &[f32]| (v.len() * 4) as f64;
-    let dense: f64 = w
+    let small: f64 = model
+        .weights
         .layers
         .iter()
-        .map(|l| {
-            [&l.q, &l.k, &l.v, &l.o, &l.router]
-                .iter()
-                .map(|m| m.data.bytes().len() as f64)
-                .sum::<f64>()
-                + floats(&l.router_bias)
-                + floats(&l.sinks)
-        })
-        .sum::<f64>()
-        + w.lm_head.data.bytes().len() as f64
-        + (w.embeddings.cols * w.embeddings.format.size()) as f64;
+        .map(|l| floats(&l.router_bias) + floats(&l.sinks))
+        .sum();
+    let dense = model.dense_bytes_per_token() as f64 + small;
     let expert_biases = ((2 * cfg.intermediate_size + cfg.hidden_size) * 4) as f64;
     let experts = expert_requests_per_token * (model.experts.expert_bytes() as f64 + expert_biases);
     // Keys and values (f32) of the positions each layer's queries see.
@@ -202,6 +198,7 @@ pub fn run_bench(
             &ModelOptions {
                 ram_budget: budget,
                 direct_io: options.direct_io,
+                dense_format: options.dense_format,
                 prefetch: crate::model::PrefetchOptions {
                     enabled: prefetch,
                     proxy: options.prefetch_proxy,
@@ -289,6 +286,7 @@ pub fn run_bench(
             peak_rss_bytes: peak_is_this_runs.then(peak_rss_bytes).flatten(),
             threads: rayon::current_num_threads(),
             cpu_kernels: crate::cpu::simd::kernels().name().to_string(),
+            dense_format: options.dense_format.name().to_string(),
             warmup_s,
             bytes_per_token,
             achieved_bytes_per_s,

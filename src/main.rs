@@ -105,6 +105,10 @@ struct PromptArgs {
     /// uses a.
     #[arg(long, default_value = "b", value_name = "a|b")]
     prefetch_proxy: picchio::model::PrefetchProxy,
+    /// How the CPU tier holds the dense weights: checkpoint (as stored, exact) or q8 (8 bits per
+    /// weight with a scale per 32: faster decode, not exact; CPU tier only).
+    #[arg(long, default_value = "checkpoint", value_name = "checkpoint|q8")]
+    dense_format: picchio::cpu::q8::DenseFormat,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -135,6 +139,7 @@ impl PromptArgs {
                 enabled: self.prefetch == OnOff::On,
                 proxy: self.prefetch_proxy,
             },
+            dense_format: self.dense_format,
             ..Default::default()
         };
         // Load errors name the file and tensor already.
@@ -223,6 +228,9 @@ enum Command {
         /// prompt.
         #[arg(long)]
         roofline: bool,
+        /// How the CPU tier holds the dense weights in every run: checkpoint (exact) or q8.
+        #[arg(long, default_value = "checkpoint", value_name = "checkpoint|q8")]
+        dense_format: picchio::cpu::q8::DenseFormat,
         /// Print one JSON object {"runs": [...]} instead of a table.
         #[arg(long)]
         json: bool,
@@ -438,6 +446,7 @@ fn run(cli: Cli) -> Result<()> {
             gen_tokens,
             seed,
             roofline,
+            dense_format,
             json,
             csv,
             plot,
@@ -455,6 +464,7 @@ fn run(cli: Cli) -> Result<()> {
                 gen_tokens,
                 seed,
                 roofline,
+                dense_format,
             };
             bench(&options, json, csv, plot)
         }

@@ -89,6 +89,7 @@ fn bench_sweeps_budgets_and_writes_csv_and_plot() {
         gen_tokens: 6,
         seed: 3,
         roofline: false,
+        dense_format: Default::default(),
     };
     let mut calls = 0;
     let runs = run_bench(&options, &mut |_, _| calls += 1).unwrap();

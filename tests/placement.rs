@@ -197,6 +197,7 @@ fn bench_sweeps_vram_budgets() {
         gen_tokens: 6,
         seed: 3,
         roofline: false,
+        dense_format: Default::default(),
     };
     let runs = run_bench(&options, &mut |_, _| {}).unwrap();
     assert_eq!(runs.len(), 2);

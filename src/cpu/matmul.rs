@@ -123,7 +123,7 @@ pub fn dot_int4_scalar(qweight: &[u8], scales: &[u8], x: &[f32]) -> f32 {
 /// `out[t * rows + r] = dot(r, xs[t * cols..]) + bias[r]` for every token `t`, rows in parallel.
 /// `dot_each(r, inputs, sums)` writes row r's dot product with each input (the kernels decode
 /// the row once for all inputs, each result bit-identical to a one-input call).
-fn rows_times_tokens(
+pub(crate) fn rows_times_tokens(
     rows: usize,
     cols: usize,
     xs: &[f32],

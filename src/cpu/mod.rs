@@ -10,5 +10,6 @@ pub mod machine;
 pub mod matmul;
 pub mod moe;
 pub mod norm;
+pub mod q8;
 pub mod rope;
 pub mod simd;

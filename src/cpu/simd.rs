@@ -212,6 +212,33 @@ pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
     }
 }
 
+/// Dot products of one q8 row (signed bytes, an f16 scale per 32) with each of several inputs
+/// (natural order), each bit-identical to a one-input call.
+pub type Q8DotEach = fn(&[u8], &[u8], &[&[f32]], &mut [f32]);
+
+/// The q8 row kernel of `kernels` (the scalar reference where the CPU lacks them).
+pub fn q8_dot_each(kernels: CpuKernels) -> Q8DotEach {
+    match kernels.min(detect()) {
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx512 => |values, scales, xs, out| {
+            // Safety: handed out only where `detect()` found AVX-512 F/BW/VL and AVX2.
+            unsafe { x86_512::dot_q8_each(values, scales, xs, out) }
+        },
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx2 => |values, scales, xs, out| {
+            for (o, x) in out.iter_mut().zip(xs) {
+                // Safety: handed out only where `detect()` found AVX2, FMA and F16C.
+                *o = unsafe { x86::dot_q8(values, scales, x) };
+            }
+        },
+        _ => |values, scales, xs, out| {
+            for (o, x) in out.iter_mut().zip(xs) {
+                *o = crate::cpu::q8::dot_q8_scalar(values, scales, x);
+            }
+        },
+    }
+}
+
 /// Rearranges rows of `cols` inputs into the order the AVX-512 packed kernels read them. Each
 /// run of 128 inputs (four groups, 64 packed bytes) becomes 8 vectors of 16, vector k holding
 /// inputs `8i + k` (i = 0..16): nibble k of each 32-bit word of the packed bytes, in lane order.
@@ -336,6 +363,39 @@ mod x86 {
             sum += decode_at(format, row, k) * xk;
         }
         sum
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `values` holds `x.len()` signed bytes and
+    /// `scales` one little-endian f16 per 32 of them.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q8(values: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+        let groups = x.len() / 32;
+        assert!(values.len() == x.len() && x.len() == 32 * groups && scales.len() >= 2 * groups);
+        let (v, xs) = (values.as_ptr(), x.as_ptr());
+        let mut total = _mm256_setzero_ps();
+        for g in 0..groups {
+            if g % 2 == 0 {
+                prefetch_ahead(v.wrapping_add(32 * g), 64);
+            }
+            // Safety: group g's 32 values and inputs are in bounds (asserted above).
+            let sum = unsafe {
+                let at = 32 * g;
+                let w = |k: usize| {
+                    let bytes = _mm_loadl_epi64(v.add(at + 8 * k).cast());
+                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))
+                };
+                let input = |k: usize| _mm256_loadu_ps(xs.add(at + 8 * k));
+                let a = _mm256_mul_ps(w(0), input(0));
+                let a = _mm256_fmadd_ps(w(1), input(1), a);
+                let a = _mm256_fmadd_ps(w(2), input(2), a);
+                _mm256_fmadd_ps(w(3), input(3), a)
+            };
+            let bits = u16::from_le_bytes([scales[2 * g], scales[2 * g + 1]]);
+            let scale = _mm256_cvtph_ps(_mm_set1_epi16(bits as i16));
+            total = _mm256_fmadd_ps(sum, scale, total);
+        }
+        sum8(total)
     }
 
     /// # Safety
@@ -653,6 +713,69 @@ mod x86_512 {
         // Safety: the masked load reads the n scales from group g, which exist.
         let raw = unsafe { _mm256_maskz_loadu_epi16(lane_mask(n) as u16, scales.as_ptr().add(2 * g).cast()) };
         _mm512_cvtph_ps(raw)
+    }
+
+    /// q8 rows times `T` inputs (natural order): per group of 32, two vectors of 16 widened
+    /// bytes, multiplied into each input, the sum scaled. Per token the order of the one-input
+    /// kernel.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VL; `values` holds 32 bytes and `scales` an f16 per group of every input.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn dot_q8_tokens<const T: usize>(
+        values: &[u8],
+        scales: &[u8],
+        xs: [&[f32]; T],
+    ) -> [f32; T] {
+        let groups = values.len() / 32;
+        assert!(values.len() == 32 * groups && xs.iter().all(|x| x.len() == 32 * groups));
+        let v = values.as_ptr();
+        let (mut even, mut odd) = ([_mm512_setzero_ps(); T], [_mm512_setzero_ps(); T]);
+        let mut decoded = _mm512_setzero_ps();
+        for g in 0..groups {
+            if g % 16 == 0 {
+                // Safety: groups g..g + n exist.
+                decoded = unsafe { f16_scales16(scales, g, (groups - g).min(16)) };
+            }
+            if g % 2 == 0 {
+                prefetch_ahead(v.wrapping_add(32 * g), 64);
+            }
+            let s = _mm512_permutexvar_ps(_mm512_set1_epi32((g % 16) as i32), decoded);
+            // Safety: group g's 32 bytes are in bounds (asserted above).
+            let (w0, w1) = unsafe {
+                let w = |k: usize| {
+                    let bytes = _mm_loadu_si128(v.add(32 * g + 16 * k).cast());
+                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes))
+                };
+                (w(0), w(1))
+            };
+            for t in 0..T {
+                // Safety: group g's 32 inputs are in bounds (asserted above).
+                let sum = unsafe {
+                    let x = xs[t].as_ptr().add(32 * g);
+                    let sum = _mm512_mul_ps(w0, _mm512_loadu_ps(x));
+                    _mm512_fmadd_ps(w1, _mm512_loadu_ps(x.add(16)), sum)
+                };
+                if g % 2 == 0 {
+                    even[t] = _mm512_fmadd_ps(sum, s, even[t]);
+                } else {
+                    odd[t] = _mm512_fmadd_ps(sum, s, odd[t]);
+                }
+            }
+        }
+        let mut sums = [0f32; T];
+        for t in 0..T {
+            sums[t] = _mm512_reduce_add_ps(_mm512_add_ps(even[t], odd[t]));
+        }
+        sums
+    }
+
+    /// # Safety
+    /// As `dot_q8_tokens`, for every input.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn dot_q8_each(values: &[u8], scales: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+        // Safety: the caller's guarantees.
+        in_blocks_of_four!(xs, out, |block| unsafe { dot_q8_tokens(values, scales, block) });
     }
 
     /// E2M1 values by 4-bit code.

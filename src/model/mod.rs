@@ -43,6 +43,9 @@ pub struct Model {
     /// Where the CPU tier's time went, for `--stats`.
     pub timings: CpuTimings,
     pub prefetch: PrefetchOptions,
+    /// The dense weights quantized to 8 bits (`--dense-format q8`): the CPU tier reads these
+    /// instead of the checkpoint's attention projections, LM head and embeddings.
+    pub q8: Option<crate::cpu::q8::Q8Weights>,
     /// Per proxy (A, B): experts predicted right, and experts to predict.
     prediction: [(std::sync::atomic::AtomicU64, std::sync::atomic::AtomicU64); 2],
 }
@@ -131,6 +134,8 @@ pub struct ModelOptions {
     /// Read a converted expert store past the page cache (O_DIRECT).
     pub direct_io: bool,
     pub prefetch: PrefetchOptions,
+    /// How the CPU tier holds the dense weights (exact by default).
+    pub dense_format: crate::cpu::q8::DenseFormat,
 }
 
 impl Default for ModelOptions {
@@ -141,6 +146,7 @@ impl Default for ModelOptions {
             hot_experts: false,
             direct_io: false,
             prefetch: PrefetchOptions::default(),
+            dense_format: crate::cpu::q8::DenseFormat::default(),
         }
     }
 }
@@ -167,6 +173,19 @@ impl Model {
             },
         )?;
         let rope = RopeTable::new(&config);
+        let q8 = match options.dense_format {
+            crate::cpu::q8::DenseFormat::Checkpoint => None,
+            crate::cpu::q8::DenseFormat::Q8 => {
+                let started = std::time::Instant::now();
+                let q8 = crate::cpu::q8::Q8Weights::quantize(&weights)?;
+                log::info!(
+                    "dense weights quantized to q8 ({:.2} GB) in {:.1} s",
+                    q8.bytes() as f64 / 1e9,
+                    started.elapsed().as_secs_f64()
+                );
+                Some(q8)
+            }
+        };
         Ok(Model {
             config,
             checkpoint,
@@ -175,6 +194,7 @@ impl Model {
             rope,
             timings: CpuTimings::default(),
             prefetch: options.prefetch,
+            q8,
             prediction: Default::default(),
         })
     }
@@ -183,10 +203,16 @@ impl Model {
     /// (`ExpertStore::warm_up`), so that timing starts with the model in memory.
     pub fn warm_up(&self) {
         let w = &self.weights;
-        // Not the embeddings: a prompt reads one row per token.
-        let mut dense: Vec<&crate::weights::DenseMatrix> = vec![&w.lm_head];
+        // Not the embeddings: a prompt reads one row per token. Not what q8 replaced.
+        let mut dense: Vec<&crate::weights::DenseMatrix> = Vec::new();
+        if self.q8.is_none() {
+            dense.push(&w.lm_head);
+        }
         for l in &w.layers {
-            dense.extend([&l.q, &l.k, &l.v, &l.o, &l.router]);
+            dense.push(&l.router);
+            if self.q8.is_none() {
+                dense.extend([&l.q, &l.k, &l.v, &l.o]);
+            }
         }
         dense.par_iter().for_each(|m| m.data.populate());
         self.experts.warm_up();
@@ -215,8 +241,51 @@ impl Model {
         Ok(self.head(&hidden))
     }
 
+    /// Bytes of dense weights one decoded token reads: every layer's attention projections and
+    /// router, the LM head and one embedding row, as the CPU tier holds them.
+    pub fn dense_bytes_per_token(&self) -> usize {
+        let w = &self.weights;
+        let matrix = |m: &crate::weights::DenseMatrix| m.data.bytes().len();
+        let routers: usize = w.layers.iter().map(|l| matrix(&l.router)).sum();
+        match &self.q8 {
+            Some(q8) => {
+                let attention: usize = q8.layers.iter().flatten().map(|m| m.bytes()).sum();
+                let embedding_row = q8.embeddings.bytes() / q8.embeddings.rows.max(1);
+                attention + routers + q8.lm_head.bytes() + embedding_row
+            }
+            None => {
+                let attention: usize = w
+                    .layers
+                    .iter()
+                    .map(|l| matrix(&l.q) + matrix(&l.k) + matrix(&l.v) + matrix(&l.o))
+                    .sum();
+                let embedding_row = w.embeddings.cols * w.embeddings.format.size();
+                attention + routers + matrix(&w.lm_head) + embedding_row
+            }
+        }
+    }
+
+    /// Attention projection `which` (0 = q, 1 = k, 2 = v, 3 = o) of layer `l` over `x`: q8 when
+    /// the model holds it, else the checkpoint's weights.
+    fn project(&self, l: usize, which: usize, x: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
+        match &self.q8 {
+            Some(q8) => crate::cpu::q8::q8_matmul(&q8.layers[l][which], x, bias, out),
+            None => {
+                let layer = &self.weights.layers[l];
+                let m = [&layer.q, &layer.k, &layer.v, &layer.o][which];
+                dense_matmul(m, x, bias, out)
+            }
+        }
+    }
+
     /// Embedding rows of `tokens` (already validated), `[n, hidden]`.
     pub fn embed(&self, tokens: &[u32]) -> Vec<f32> {
+        if let Some(q8) = &self.q8 {
+            return tokens
+                .iter()
+                .flat_map(|&id| q8.embeddings.decode_row(id as usize))
+                .collect();
+        }
         let embeddings = &self.weights.embeddings;
         tokens
             .iter()
@@ -309,7 +378,10 @@ impl Model {
             &mut final_hidden,
         );
         let mut logits = vec![0f32; cfg.vocab_size];
-        dense_matmul(&self.weights.lm_head, &final_hidden, None, &mut logits);
+        match &self.q8 {
+            Some(q8) => crate::cpu::q8::q8_matmul(&q8.lm_head, &final_hidden, None, &mut logits),
+            None => dense_matmul(&self.weights.lm_head, &final_hidden, None, &mut logits),
+        }
         CpuTimings::add(&self.timings.head_us, started);
         logits
     }
@@ -329,9 +401,9 @@ impl Model {
         let mut q = vec![0f32; n * qd];
         let mut k = vec![0f32; n * kvd];
         let mut v = vec![0f32; n * kvd];
-        dense_matmul(&layer.q, x, layer.q_bias.as_deref(), &mut q);
-        dense_matmul(&layer.k, x, layer.k_bias.as_deref(), &mut k);
-        dense_matmul(&layer.v, x, layer.v_bias.as_deref(), &mut v);
+        self.project(l, 0, x, layer.q_bias.as_deref(), &mut q);
+        self.project(l, 1, x, layer.k_bias.as_deref(), &mut k);
+        self.project(l, 2, x, layer.v_bias.as_deref(), &mut v);
         for t in 0..n {
             let (cos, sin) = self.rope.cos_sin(start + t);
             self.rope.apply(&mut q[t * qd..(t + 1) * qd], &cos, &sin);
@@ -375,7 +447,7 @@ impl Model {
         cache.store(l, &k, &v);
 
         let mut projected = vec![0f32; n * cfg.hidden_size];
-        dense_matmul(&layer.o, &out, layer.o_bias.as_deref(), &mut projected);
+        self.project(l, 3, &out, layer.o_bias.as_deref(), &mut projected);
         projected
     }
 
