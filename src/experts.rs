@@ -560,7 +560,7 @@ impl ExpertStore {
                 .iter()
                 .all(|l| l.gate_up.is_mapped() && l.down.is_mapped()))
         .then(|| {
-            log::info!("every expert fits the RAM budget: computing from the mapped files");
+            log::debug!("every expert fits the RAM budget: computing from the mapped files");
             weights
                 .layers
                 .iter()

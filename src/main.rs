@@ -191,6 +191,15 @@ enum Command {
         #[arg(long, default_value_t = picchio::synth::DEFAULT_SHARD_BYTES)]
         shard_bytes: u64,
     },
+    /// Top-1 agreement of a faster numeric mode (--dense-format q8) with the exact path,
+    /// teacher-forced over the exact path's greedy tokens (CPU tier).
+    Agree {
+        #[command(flatten)]
+        prompt: PromptArgs,
+        /// Print one JSON object instead of a summary.
+        #[arg(long)]
+        json: bool,
+    },
     /// Measure prefill and decode speed, hit rates and bytes moved for each VRAM and RAM budget.
     Bench {
         #[arg(long)]
@@ -467,6 +476,40 @@ fn run(cli: Cli) -> Result<()> {
                 dense_format,
             };
             bench(&options, json, csv, plot)
+        }
+        Command::Agree { prompt, json } => {
+            if prompt.dense_format == picchio::cpu::q8::DenseFormat::Checkpoint {
+                bail!("agree compares a faster mode with the exact path: pass --dense-format q8");
+            }
+            let other = prompt.load()?;
+            let exact = Model::load_with(
+                &prompt.model,
+                &picchio::model::ModelOptions {
+                    ram_budget: prompt.ram_budget,
+                    ..Default::default()
+                },
+            )?;
+            let report = picchio::model::agreement::top1_agreement(
+                &exact,
+                &other,
+                &prompt.ids,
+                prompt.max_new_tokens,
+            )?;
+            if json {
+                println!("{}", serde_json::to_string(&report)?);
+            } else {
+                println!(
+                    "top-1 agreement with the exact path: {} of {} steps ({:.1}%)",
+                    report.agreeing,
+                    report.steps,
+                    report.rate * 100.0
+                );
+                match report.first_disagreement {
+                    Some(step) => println!("first disagreement: step {step}"),
+                    None => println!("first disagreement: none"),
+                }
+            }
+            Ok(())
         }
         Command::Synth {
             shape,

@@ -912,6 +912,12 @@ mod tests {
                 let simd = packed(int4_dot(kernels), &blocks, &int4_scales, &x);
                 let scalar = dot_int4_scalar(&blocks, &int4_scales, &x);
                 close(simd, scalar, 8.0 * 0.07 * x_sum, &format!("{name} int4 n={n}"));
+
+                let q8_values: Vec<u8> = (0..n).map(|i| (i * 89 + 3) as u8).collect();
+                let mut simd = [0f32];
+                q8_dot_each(kernels)(&q8_values, &int4_scales, &[&x], &mut simd);
+                let scalar = crate::cpu::q8::dot_q8_scalar(&q8_values, &int4_scales, &x);
+                close(simd[0], scalar, 128.0 * 0.07 * x_sum, &format!("{name} q8 n={n}"));
             }
             // The same values stored as f32 or f16 sum in the same order: bit-identical.
             for n in [40, 2880] {
@@ -970,6 +976,13 @@ mod tests {
                 float_dot_each(kernels)(FloatFormat::Bf16, &row, &xs, &mut sums);
                 for (x, sum) in xs.iter().zip(&sums) {
                     assert_eq!(*sum, float_dot(kernels)(FloatFormat::Bf16, &row, x));
+                }
+                let q8_values: Vec<u8> = (0..n).map(|i| (i * 71 + 9) as u8).collect();
+                q8_dot_each(kernels)(&q8_values, &int4_scales, &xs, &mut sums);
+                for (x, sum) in xs.iter().zip(&sums) {
+                    let mut one = [0f32];
+                    q8_dot_each(kernels)(&q8_values, &int4_scales, &[x], &mut one);
+                    assert_eq!(*sum, one[0], "{kernels:?} q8");
                 }
                 for (kernel, scales) in [
                     (mxfp4_dot(kernels), &scales),

@@ -1,6 +1,7 @@
 //! The GPT-OSS forward pass on the CPU tier, the KV cache, token choice and the generation loop.
 
 pub mod ab;
+pub mod agreement;
 pub mod generate;
 pub mod gpu_tier;
 pub mod kv_cache;
