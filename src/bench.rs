@@ -35,6 +35,8 @@ pub struct BenchOptions {
     pub roofline: bool,
     /// How the CPU tier holds dense weights in every run.
     pub dense_format: crate::cpu::q8::DenseFormat,
+    /// Where the weights live in every run.
+    pub mmap: crate::model::MmapMode,
 }
 
 /// Prompt length of the second prefill measurement of a roofline bench.
@@ -80,6 +82,8 @@ pub struct BenchRun {
     pub cpu_kernels: String,
     /// checkpoint (exact) or q8.
     pub dense_format: String,
+    /// Whether the weights a token reads were copied into memory (else mapped).
+    pub weights_in_memory: bool,
     /// Seconds spent faulting in the mapped weights before timing (experts included when they
     /// all fit the RAM budget): what a first prompt would otherwise pay.
     pub warmup_s: f64,
@@ -199,6 +203,7 @@ pub fn run_bench(
                 ram_budget: budget,
                 direct_io: options.direct_io,
                 dense_format: options.dense_format,
+                mmap: options.mmap,
                 prefetch: crate::model::PrefetchOptions {
                     enabled: prefetch,
                     proxy: options.prefetch_proxy,
@@ -287,6 +292,7 @@ pub fn run_bench(
             threads: rayon::current_num_threads(),
             cpu_kernels: crate::cpu::simd::kernels().name().to_string(),
             dense_format: options.dense_format.name().to_string(),
+            weights_in_memory: model.weights_in_memory,
             warmup_s,
             bytes_per_token,
             achieved_bytes_per_s,

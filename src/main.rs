@@ -109,6 +109,11 @@ struct PromptArgs {
     /// weight with a scale per 32: faster decode, not exact; CPU tier only).
     #[arg(long, default_value = "checkpoint", value_name = "checkpoint|q8")]
     dense_format: picchio::cpu::q8::DenseFormat,
+    /// Where the weights a token reads live: auto (copied into memory, on huge pages, when every
+    /// expert fits the RAM budget and the memory; else mapped), on (mapped from the checkpoint),
+    /// off (always copied).
+    #[arg(long, default_value = "auto", value_name = "auto|on|off")]
+    mmap: picchio::model::MmapMode,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -140,6 +145,7 @@ impl PromptArgs {
                 proxy: self.prefetch_proxy,
             },
             dense_format: self.dense_format,
+            mmap: self.mmap,
             ..Default::default()
         };
         // Load errors name the file and tensor already.
@@ -240,6 +246,9 @@ enum Command {
         /// How the CPU tier holds the dense weights in every run: checkpoint (exact) or q8.
         #[arg(long, default_value = "checkpoint", value_name = "checkpoint|q8")]
         dense_format: picchio::cpu::q8::DenseFormat,
+        /// Where the weights live in every run: auto, on (mapped) or off (copied into memory).
+        #[arg(long, default_value = "auto", value_name = "auto|on|off")]
+        mmap: picchio::model::MmapMode,
         /// Print one JSON object {"runs": [...]} instead of a table.
         #[arg(long)]
         json: bool,
@@ -456,6 +465,7 @@ fn run(cli: Cli) -> Result<()> {
             seed,
             roofline,
             dense_format,
+            mmap,
             json,
             csv,
             plot,
@@ -474,6 +484,7 @@ fn run(cli: Cli) -> Result<()> {
                 seed,
                 roofline,
                 dense_format,
+                mmap,
             };
             bench(&options, json, csv, plot)
         }
@@ -486,6 +497,7 @@ fn run(cli: Cli) -> Result<()> {
                 &prompt.model,
                 &picchio::model::ModelOptions {
                     ram_budget: prompt.ram_budget,
+                    mmap: prompt.mmap,
                     ..Default::default()
                 },
             )?;

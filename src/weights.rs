@@ -183,6 +183,29 @@ impl TensorBytes {
         }
     }
 
+    /// A copy of these bytes in a `huge_buffer`, made in parallel chunks; each chunk of a mapped
+    /// source is faulted in, copied and released, so the file's pages never all count in the
+    /// resident memory at once.
+    pub fn copy_to_memory(&self) -> std::io::Result<TensorBytes> {
+        use rayon::prelude::*;
+        const CHUNK: usize = 8 << 20;
+        let len = self.range.len();
+        if len == 0 {
+            return Ok(self.clone());
+        }
+        let mut buffer = huge_buffer(len)?;
+        buffer
+            .par_chunks_mut(CHUNK)
+            .enumerate()
+            .for_each(|(c, out)| {
+                let source = self.slice(c * CHUNK..c * CHUNK + out.len());
+                source.populate();
+                out.copy_from_slice(source.bytes());
+                source.release();
+            });
+        freeze(buffer)
+    }
+
     /// Bytes held in memory rather than in a checkpoint file (tests, benches, converted data).
     pub fn from_vec(bytes: Vec<u8>) -> TensorBytes {
         TensorBytes {
@@ -763,6 +786,29 @@ impl ExpertMatrices {
         }
     }
 
+    /// The same matrices over bytes `copy` makes of each of their tensors.
+    fn with_tensors(
+        &self,
+        mut copy: impl FnMut(&TensorBytes) -> std::io::Result<TensorBytes>,
+    ) -> std::io::Result<ExpertMatrices> {
+        Ok(match self {
+            ExpertMatrices::Mxfp4(m) => ExpertMatrices::Mxfp4(Mxfp4Experts {
+                blocks: copy(&m.blocks)?,
+                scales: copy(&m.scales)?,
+                ..m.clone()
+            }),
+            ExpertMatrices::Int4(m) => ExpertMatrices::Int4(Int4Experts {
+                qweight: copy(&m.qweight)?,
+                scales: copy(&m.scales)?,
+                ..m.clone()
+            }),
+            ExpertMatrices::Dense(d) => ExpertMatrices::Dense(DenseExperts {
+                data: copy(&d.data)?,
+                ..d.clone()
+            }),
+        })
+    }
+
     /// The byte views this projection reads.
     fn tensors(&self) -> Vec<&TensorBytes> {
         match self {
@@ -822,6 +868,44 @@ impl ExpertMatrices {
 }
 
 impl ModelWeights {
+    /// Copies every weight a decoded token reads (routers, experts, and with `dense` the
+    /// attention projections and the LM head; never the embeddings, read a row at a time) from
+    /// the mapped checkpoint into huge-page memory, and drops the mapped pages. Returns the
+    /// bytes copied. A converted expert store's experts stay mapped (they are read by record).
+    pub fn copy_to_memory(&mut self, dense: bool) -> Result<u64> {
+        let copied = std::cell::Cell::new(0u64);
+        let copy_bytes = |t: &TensorBytes| {
+            copied.set(copied.get() + t.bytes().len() as u64);
+            t.copy_to_memory()
+        };
+        let copy_experts = self.flat.is_none();
+        for (l, layer) in self.layers.iter_mut().enumerate() {
+            let what = format!("layer {l} weights");
+            let mut matrices = vec![&mut layer.router];
+            if dense {
+                matrices.extend([&mut layer.q, &mut layer.k, &mut layer.v, &mut layer.o]);
+            }
+            for m in matrices {
+                m.data = copy_bytes(&m.data).map_err(|e| Error::io(&what, e))?;
+            }
+            if copy_experts {
+                layer.gate_up = layer
+                    .gate_up
+                    .with_tensors(copy_bytes)
+                    .map_err(|e| Error::io(&what, e))?;
+                layer.down = layer
+                    .down
+                    .with_tensors(copy_bytes)
+                    .map_err(|e| Error::io(&what, e))?;
+            }
+        }
+        if dense {
+            self.lm_head.data =
+                copy_bytes(&self.lm_head.data).map_err(|e| Error::io("lm_head.weight", e))?;
+        }
+        Ok(copied.get())
+    }
+
     /// Bytes of every weight as the tiers hold them (matrices in their checkpoint format, norms,
     /// biases and sinks as f32).
     pub fn bytes(&self) -> usize {

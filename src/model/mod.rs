@@ -47,6 +47,8 @@ pub struct Model {
     /// The dense weights quantized to 8 bits (`--dense-format q8`): the CPU tier reads these
     /// instead of the checkpoint's attention projections, LM head and embeddings.
     pub q8: Option<crate::cpu::q8::Q8Weights>,
+    /// Whether the weights a token reads were copied into memory (`MmapMode`).
+    pub weights_in_memory: bool,
     /// Per proxy (A, B): experts predicted right, and experts to predict.
     prediction: [(std::sync::atomic::AtomicU64, std::sync::atomic::AtomicU64); 2],
 }
@@ -137,6 +139,63 @@ pub struct ModelOptions {
     pub prefetch: PrefetchOptions,
     /// How the CPU tier holds the dense weights (exact by default).
     pub dense_format: crate::cpu::q8::DenseFormat,
+    /// Whether the weights stay mapped from the checkpoint or are copied into memory.
+    pub mmap: MmapMode,
+}
+
+/// Where the weights a decoded token reads live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub enum MmapMode {
+    /// Copied into memory (huge pages, about 20% more read bandwidth than the page cache's
+    /// small pages) when every expert fits the RAM budget and the available memory, else mapped.
+    #[default]
+    Auto,
+    /// Mapped from the checkpoint files (the OS page cache holds them).
+    On,
+    /// Always copied into memory (experts included, whatever the RAM budget).
+    Off,
+}
+
+impl std::str::FromStr for MmapMode {
+    type Err = String;
+
+    fn from_str(text: &str) -> std::result::Result<MmapMode, String> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(MmapMode::Auto),
+            "on" => Ok(MmapMode::On),
+            "off" => Ok(MmapMode::Off),
+            _ => Err(format!("{text:?}: expected auto, on or off")),
+        }
+    }
+}
+
+/// Memory kept free beside weights copied into memory (`MmapMode::Auto`): KV cache, buffers, OS.
+const COPY_RESERVE_BYTES: u64 = 4 << 30;
+
+/// Whether `options` put `weights` in memory rather than mapped (see `MmapMode`).
+fn copies_weights(options: &ModelOptions, weights: &ModelWeights) -> bool {
+    match options.mmap {
+        MmapMode::On => false,
+        MmapMode::Off => true,
+        MmapMode::Auto => {
+            let experts: u64 = weights
+                .layers
+                .iter()
+                .map(|l| (l.gate_up.bytes() + l.down.bytes()) as u64)
+                .sum();
+            let budget_covers = match options.ram_budget {
+                RamBudget::Bytes(b) => b >= experts,
+                RamBudget::Percent(p) => p >= 100.0,
+                RamBudget::Auto => true,
+            };
+            let resident = (weights.bytes() - weights.embeddings.data.bytes().len()) as u64;
+            budget_covers
+                && weights.flat.is_none()
+                && !options.direct_io
+                && crate::experts::available_memory_bytes()
+                    .is_some_and(|a| a >= resident + COPY_RESERVE_BYTES)
+        }
+    }
 }
 
 impl Default for ModelOptions {
@@ -148,6 +207,7 @@ impl Default for ModelOptions {
             direct_io: false,
             prefetch: PrefetchOptions::default(),
             dense_format: crate::cpu::q8::DenseFormat::default(),
+            mmap: MmapMode::default(),
         }
     }
 }
@@ -162,18 +222,9 @@ impl Model {
         crate::weights::require_dir(dir)?;
         let config = Config::load(dir)?;
         let checkpoint = Checkpoint::open(dir)?;
-        let weights = ModelWeights::load(&checkpoint, &config)?;
-        let experts = ExpertStore::open(
-            &checkpoint,
-            &weights,
-            options.ram_budget,
-            crate::experts::StoreOptions {
-                io_threads: options.io_threads,
-                hot_experts: options.hot_experts,
-                direct_io: options.direct_io,
-            },
-        )?;
-        let rope = RopeTable::new(&config);
+        let mut weights = ModelWeights::load(&checkpoint, &config)?;
+        // q8 first: it reads the mapped dense weights and releases them, so copying them into
+        // memory afterwards would only waste it.
         let q8 = match options.dense_format {
             crate::cpu::q8::DenseFormat::Checkpoint => None,
             crate::cpu::q8::DenseFormat::Q8 => {
@@ -187,6 +238,32 @@ impl Model {
                 Some(q8)
             }
         };
+        let mut ram_budget = options.ram_budget;
+        let weights_in_memory = copies_weights(options, &weights);
+        if weights_in_memory {
+            let started = std::time::Instant::now();
+            let bytes = weights.copy_to_memory(q8.is_none())?;
+            log::info!(
+                "weights copied into memory ({:.2} GB) in {:.1} s",
+                bytes as f64 / 1e9,
+                started.elapsed().as_secs_f64()
+            );
+            if weights.flat.is_none() {
+                // Every expert is in memory now: the store keeps them all.
+                ram_budget = RamBudget::Percent(100.0);
+            }
+        }
+        let experts = ExpertStore::open(
+            &checkpoint,
+            &weights,
+            ram_budget,
+            crate::experts::StoreOptions {
+                io_threads: options.io_threads,
+                hot_experts: options.hot_experts,
+                direct_io: options.direct_io,
+            },
+        )?;
+        let rope = RopeTable::new(&config);
         Ok(Model {
             config,
             checkpoint,
@@ -196,6 +273,7 @@ impl Model {
             timings: CpuTimings::default(),
             prefetch: options.prefetch,
             q8,
+            weights_in_memory,
             prediction: Default::default(),
         })
     }
