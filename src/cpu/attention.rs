@@ -32,31 +32,51 @@ pub fn attend<'a>(
     out: &mut [f32],
 ) {
     let d = layout.head_dim;
-    let group = layout.num_heads / layout.num_kv_heads;
-    let mut scores = Vec::with_capacity(keys.clone().count());
-    for h in 0..layout.num_heads {
-        let g = h / group;
-        let qh = &q[h * d..(h + 1) * d];
-        scores.clear();
-        for j in keys.clone() {
+    for (h, oh) in out.chunks_exact_mut(d).enumerate().take(layout.num_heads) {
+        attend_head(layout, h, q, keys.clone(), &kv, sinks[h], scaling, oh);
+    }
+}
+
+/// Head `h` of `attend`: its output `oh` (`head_dim` values). Scores are dot products of the
+/// CPU tier's float kernel (the same summation order for every position and batch).
+#[allow(clippy::too_many_arguments)]
+pub fn attend_head<'a>(
+    layout: HeadLayout,
+    h: usize,
+    q: &[f32],
+    keys: std::ops::RangeInclusive<usize>,
+    kv: &impl Fn(usize) -> (&'a [f32], &'a [f32]),
+    sink: f32,
+    scaling: f32,
+    oh: &mut [f32],
+) {
+    let d = layout.head_dim;
+    let g = h / (layout.num_heads / layout.num_kv_heads);
+    let qh = &q[h * d..(h + 1) * d];
+    let dot = super::simd::float_dot(super::simd::kernels());
+    let scores: Vec<f32> = keys
+        .clone()
+        .map(|j| {
             let kh = &kv(j).0[g * d..(g + 1) * d];
-            let dot: f32 = qh.iter().zip(kh).map(|(a, b)| a * b).sum();
-            scores.push(dot * scaling);
-        }
-        let max = scores.iter().copied().fold(sinks[h], f32::max);
-        let mut denominator = (sinks[h] - max).exp();
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            denominator += *s;
-        }
-        let oh = &mut out[h * d..(h + 1) * d];
-        oh.fill(0.0);
-        for (s, j) in scores.iter().zip(keys.clone()) {
-            let p = s / denominator;
-            let vh = &kv(j).1[g * d..(g + 1) * d];
-            for (o, v) in oh.iter_mut().zip(vh) {
-                *o += p * v;
-            }
+            dot(crate::weights::FloatFormat::F32, bytemuck::cast_slice(kh), qh) * scaling
+        })
+        .collect();
+    let max = scores.iter().copied().fold(sink, f32::max);
+    let mut denominator = (sink - max).exp();
+    let weights: Vec<f32> = scores
+        .iter()
+        .map(|s| {
+            let e = (s - max).exp();
+            denominator += e;
+            e
+        })
+        .collect();
+    oh.fill(0.0);
+    for (e, j) in weights.iter().zip(keys) {
+        let p = e / denominator;
+        let vh = &kv(j).1[g * d..(g + 1) * d];
+        for (o, v) in oh.iter_mut().zip(vh) {
+            *o += p * v;
         }
     }
 }

@@ -120,9 +120,13 @@ pub fn dot_int4_scalar(qweight: &[u8], scales: &[u8], x: &[f32]) -> f32 {
     total
 }
 
+/// Rows `rows` times every input: `out[(r - rows.start) * inputs.len() + t]`.
+pub(crate) type Tile<'a> = &'a (dyn Fn(std::ops::Range<usize>, &[&[f32]], &mut [f32]) + Sync);
+
 /// `out[t * rows + r] = dot(r, xs[t * cols..]) + bias[r]` for every token `t`, rows in parallel.
 /// `dot_each(r, inputs, sums)` writes row r's dot product with each input (the kernels decode
-/// the row once for all inputs, each result bit-identical to a one-input call).
+/// the row once for all inputs, each result bit-identical to a one-input call); `tile`, where a
+/// kernel has one, does the same for `TILE_ROWS` rows at a time, cache-blocked.
 pub(crate) fn rows_times_tokens(
     rows: usize,
     cols: usize,
@@ -130,6 +134,7 @@ pub(crate) fn rows_times_tokens(
     bias: Option<&[f32]>,
     out: &mut [f32],
     dot_each: impl Fn(usize, &[&[f32]], &mut [f32]) + Sync,
+    tile: Option<Tile>,
 ) {
     let tokens = xs.len() / cols;
     assert_eq!(
@@ -154,13 +159,25 @@ pub(crate) fn rows_times_tokens(
     }
     // Each row's weights are read (and decoded) once for all tokens.
     let mut by_row = vec![0f32; rows * tokens];
+    let tile_rows = super::simd::TILE_ROWS;
     by_row
-        .par_chunks_mut(tokens)
+        .par_chunks_mut(tile_rows * tokens)
         .enumerate()
-        .for_each(|(r, ys)| {
-            dot_each(r, &inputs, ys);
-            for y in ys.iter_mut() {
-                *y += bias.map_or(0.0, |b| b[r]);
+        .for_each(|(i, ys)| {
+            let first = i * tile_rows;
+            let count = ys.len() / tokens;
+            match tile {
+                Some(tile) => tile(first..first + count, &inputs, ys),
+                None => {
+                    for (r, sums) in (first..).zip(ys.chunks_exact_mut(tokens)) {
+                        dot_each(r, &inputs, sums);
+                    }
+                }
+            }
+            for (r, sums) in (first..).zip(ys.chunks_exact_mut(tokens)) {
+                for y in sums {
+                    *y += bias.map_or(0.0, |b| b[r]);
+                }
             }
         });
     for r in 0..rows {
@@ -173,9 +190,20 @@ pub(crate) fn rows_times_tokens(
 /// Dense linear layer over one or more tokens.
 pub fn dense_matmul(m: &DenseMatrix, xs: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
     let dot_each = super::simd::float_dot_each(super::simd::kernels());
-    rows_times_tokens(m.rows, m.cols, xs, bias, out, |r, inputs, sums| {
-        dot_each(m.format, m.row(r), inputs, sums)
-    });
+    let float_tile = super::simd::float_tile(super::simd::kernels());
+    let tile = |rows: std::ops::Range<usize>, inputs: &[&[f32]], sums: &mut [f32]| {
+        let rows: Vec<&[u8]> = rows.map(|r| m.row(r)).collect();
+        float_tile(m.format, &rows, inputs, sums)
+    };
+    rows_times_tokens(
+        m.rows,
+        m.cols,
+        xs,
+        bias,
+        out,
+        |r, inputs, sums| dot_each(m.format, m.row(r), inputs, sums),
+        Some(&tile),
+    );
 }
 
 /// One expert's MXFP4 linear layer over one or more tokens.
@@ -218,10 +246,22 @@ fn packed_matmul<'w>(
     } else {
         xs
     };
-    rows_times_tokens(rows, cols, input, bias, out, |r, inputs, sums| {
-        let (packed, scales) = row(r);
-        (kernel.dot_each)(packed, scales, inputs, sums)
-    });
+    let tile = |rows: std::ops::Range<usize>, inputs: &[&[f32]], sums: &mut [f32]| {
+        let rows: Vec<(&[u8], &[u8])> = rows.map(&row).collect();
+        (kernel.tile)(&rows, inputs, sums)
+    };
+    rows_times_tokens(
+        rows,
+        cols,
+        input,
+        bias,
+        out,
+        |r, inputs, sums| {
+            let (packed, scales) = row(r);
+            (kernel.dot_each)(packed, scales, inputs, sums)
+        },
+        Some(&tile),
+    );
 }
 
 /// Unquantized expert `e` in `[in, out]` orientation: `y = x @ W[e] + bias`, summing over the

@@ -126,10 +126,18 @@ pub fn dot_q8_scalar(values: &[u8], scales: &[u8], x: &[f32]) -> f32 {
 /// A q8 linear layer over one or more tokens: `out[t][r] = row r . xs[t] + bias[r]`.
 pub fn q8_matmul(m: &Q8Matrix, xs: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
     let dot_each = super::simd::q8_dot_each(super::simd::kernels());
-    super::matmul::rows_times_tokens(m.rows, m.cols, xs, bias, out, |r, inputs, sums| {
-        let (values, scales) = m.row(r);
-        dot_each(values, scales, inputs, sums)
-    });
+    super::matmul::rows_times_tokens(
+        m.rows,
+        m.cols,
+        xs,
+        bias,
+        out,
+        |r, inputs, sums| {
+            let (values, scales) = m.row(r);
+            dot_each(values, scales, inputs, sums)
+        },
+        None,
+    );
 }
 
 /// The dense weights the CPU tier reads per token, quantized: attention projections of every

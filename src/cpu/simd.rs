@@ -92,6 +92,41 @@ pub fn float_dot(kernels: CpuKernels) -> FloatDot {
     }
 }
 
+/// Rows (at most `TILE_ROWS`) of one float format times every input, `out[r * xs.len() + t]`,
+/// each bit-identical to `float_dot`'s: a cache-blocked `float_dot_each` over several rows.
+pub type FloatTile = fn(FloatFormat, &[&[u8]], &[&[f32]], &mut [f32]);
+
+/// The float tile of `kernels`: AVX-512's cache-blocked one, else `float_dot_each` per row.
+pub fn float_tile(kernels: CpuKernels) -> FloatTile {
+    match kernels.min(detect()) {
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx512 => |format, rows, xs, out| {
+            // Safety: handed out only where `detect()` found AVX-512 F/BW/VL and AVX2.
+            unsafe { x86_512::floats_tile(format, rows, xs, out) }
+        },
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx2 => |format, rows, xs, out| {
+            float_tile_with(float_dot_each(CpuKernels::Avx2), format, rows, xs, out)
+        },
+        _ => |format, rows, xs, out| {
+            float_tile_with(float_dot_each(CpuKernels::Scalar), format, rows, xs, out)
+        },
+    }
+}
+
+/// A `FloatTile` of `dot_each` row by row.
+fn float_tile_with(
+    dot_each: FloatDotEach,
+    format: FloatFormat,
+    rows: &[&[u8]],
+    xs: &[&[f32]],
+    out: &mut [f32],
+) {
+    for (row, sums) in rows.iter().zip(out.chunks_exact_mut(xs.len())) {
+        dot_each(format, row, xs, sums);
+    }
+}
+
 /// `float_dot` over several inputs at once.
 pub fn float_dot_each(kernels: CpuKernels) -> FloatDotEach {
     match kernels.min(detect()) {
@@ -125,20 +160,44 @@ pub struct PackedDot {
     pub dot: fn(&[u8], &[u8], &[f32]) -> f32,
     /// `out[t] = row . xs[t]`, each bit-identical to `dot`'s (the row decoded once for all).
     pub dot_each: fn(&[u8], &[u8], &[&[f32]], &mut [f32]),
+    /// Rows (packed, scales; at most `TILE_ROWS`) times every input, `out[r * xs.len() + t]`,
+    /// each bit-identical to `dot`'s: a cache-blocked `dot_each` over several rows.
+    pub tile: PackedTile,
 }
 
+/// See `PackedDot::tile`.
+pub type PackedTile = fn(&[(&[u8], &[u8])], &[&[f32]], &mut [f32]);
+
+/// Most rows one `PackedDot::tile` call takes.
+pub const TILE_ROWS: usize = 16;
+
 impl PackedDot {
-    /// A kernel without a batched form: `dot_each` calls `dot` per input.
+    /// A kernel without a batched form: `dot_each` calls `dot` per input, `tile` `dot_each` per
+    /// row.
     fn one_at_a_time(
         arranged_input: bool,
         dot: fn(&[u8], &[u8], &[f32]) -> f32,
         dot_each: fn(&[u8], &[u8], &[&[f32]], &mut [f32]),
+        tile: PackedTile,
     ) -> PackedDot {
         PackedDot {
             arranged_input,
             dot,
             dot_each,
+            tile,
         }
+    }
+}
+
+/// A `PackedTile` of `dot_each` row by row.
+fn tile_with(
+    dot_each: fn(&[u8], &[u8], &[&[f32]], &mut [f32]),
+    rows: &[(&[u8], &[u8])],
+    xs: &[&[f32]],
+    out: &mut [f32],
+) {
+    for ((packed, scales), sums) in rows.iter().zip(out.chunks_exact_mut(xs.len())) {
+        dot_each(packed, scales, xs, sums);
     }
 }
 
@@ -166,6 +225,7 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
             dot_each: |blocks, scales, xs, out| unsafe {
                 x86_512::dot_mxfp4_each(blocks, scales, xs, out)
             },
+            tile: |rows, xs, out| unsafe { x86_512::mxfp4_tile(rows, xs, out) },
         },
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => PackedDot::one_at_a_time(
@@ -179,6 +239,7 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
                     *o = dot(blocks, scales, x);
                 }
             },
+            |rows, xs, out| tile_with(mxfp4_dot(CpuKernels::Avx2).dot_each, rows, xs, out),
         ),
         _ => PackedDot::one_at_a_time(
             false,
@@ -186,6 +247,7 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
             |blocks, scales, xs, out| {
                 each_with(crate::cpu::matmul::dot_mxfp4_scalar, blocks, scales, xs, out)
             },
+            |rows, xs, out| tile_with(mxfp4_dot(CpuKernels::Scalar).dot_each, rows, xs, out),
         ),
     }
 }
@@ -201,6 +263,7 @@ pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
             dot_each: |qweight, scales, xs, out| unsafe {
                 x86_512::dot_int4_each(qweight, scales, xs, out)
             },
+            tile: |rows, xs, out| unsafe { x86_512::int4_tile(rows, xs, out) },
         },
         _ => PackedDot::one_at_a_time(
             false,
@@ -208,6 +271,7 @@ pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
             |qweight, scales, xs, out| {
                 each_with(crate::cpu::matmul::dot_int4_scalar, qweight, scales, xs, out)
             },
+            |rows, xs, out| tile_with(int4_dot(CpuKernels::Scalar).dot_each, rows, xs, out),
         ),
     }
 }
@@ -484,48 +548,73 @@ mod x86_512 {
         unsafe { dot_floats_tokens::<1>(format, row, [x])[0] }
     }
 
-    /// `row` times each of `T` inputs, decoding the row's values once for all of them. Each
-    /// token's sums run in exactly the order of the one-token kernel: batching never changes a
-    /// result.
+    /// One float row's running sums for `T` inputs: four per input.
+    #[derive(Clone, Copy)]
+    struct FloatTotals<const T: usize>([[__m512; 4]; T]);
+
+    /// Adds 64-value steps `steps` of `row` times each of `T` inputs to `totals`, decoding the
+    /// row's values once for all of them. Every input's sums run in the same order whatever `T`
+    /// and however the steps are split into calls.
     ///
     /// # Safety
     /// As `dot_floats`, every input as long as the row.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub unsafe fn dot_floats_tokens<const T: usize>(
+    #[inline]
+    unsafe fn float_steps<const T: usize>(
         format: FloatFormat,
         row: &[u8],
         xs: [&[f32]; T],
-    ) -> [f32; T] {
+        steps: std::ops::Range<usize>,
+        totals: &mut FloatTotals<T>,
+    ) {
         let size = format.size();
         let n = row.len() / size;
-        assert!(row.len() == size * n && xs.iter().all(|x| x.len() == n));
+        assert!(row.len() == size * n && xs.iter().all(|x| x.len() == n) && 64 * steps.end <= n);
         let w = row.as_ptr();
-        let mut acc = [[_mm512_setzero_ps(); 4]; T];
-        let mut i = 0;
-        while i + 64 <= n {
+        for step in steps {
+            let i = 64 * step;
             prefetch_ahead(w.wrapping_add(size * i), 64 * size);
             for k in 0..4 {
                 let at = i + 16 * k;
                 // Safety: at + 16 <= n, so 16 values of `row` and of each input are in bounds.
                 let weights = unsafe { load16(format, w.add(size * at)) };
-                for (a, x) in acc.iter_mut().zip(&xs) {
+                for (a, x) in totals.0.iter_mut().zip(&xs) {
                     // Safety: as above.
                     a[k] = _mm512_fmadd_ps(weights, unsafe { _mm512_loadu_ps(x.as_ptr().add(at)) }, a[k]);
                 }
             }
-            i += 64;
         }
+    }
+
+    /// Adds the values after the last whole 64-value step to `totals` and reduces them: the
+    /// row's dot product with each input.
+    ///
+    /// # Safety
+    /// As `float_steps`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn float_finish<const T: usize>(
+        format: FloatFormat,
+        row: &[u8],
+        xs: [&[f32]; T],
+        mut totals: FloatTotals<T>,
+    ) -> [f32; T] {
+        let size = format.size();
+        let n = row.len() / size;
+        assert!(row.len() == size * n && xs.iter().all(|x| x.len() == n));
+        let w = row.as_ptr();
+        let mut i = n / 64 * 64;
         while i + 16 <= n {
             // Safety: i + 16 <= n.
             let weights = unsafe { load16(format, w.add(size * i)) };
-            for (a, x) in acc.iter_mut().zip(&xs) {
+            for (a, x) in totals.0.iter_mut().zip(&xs) {
                 // Safety: as above.
                 a[0] = _mm512_fmadd_ps(weights, unsafe { _mm512_loadu_ps(x.as_ptr().add(i)) }, a[0]);
             }
             i += 16;
         }
         let mut sums = [0f32; T];
-        for ((sum, a), x) in sums.iter_mut().zip(&acc).zip(&xs) {
+        for ((sum, a), x) in sums.iter_mut().zip(&totals.0).zip(&xs) {
             let total = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
             *sum = _mm512_reduce_add_ps(total);
             for (k, xk) in x.iter().enumerate().skip(i) {
@@ -535,31 +624,128 @@ mod x86_512 {
         sums
     }
 
-    /// `sum over groups g of scale(g) * sum_j table[nibble j] * x_j` for a packed 4-bit row, with
-    /// `x` laid out by `arrange_packed_input`. A run of four groups is one 64-byte load; shifting
-    /// its 32-bit words by 4k puts nibble k of every word in the low bits of its lane, and one
-    /// permute of a 16-entry f32 table turns those into weights (the permute reads only the low
-    /// 4 bits). No byte widening and no integer-to-float conversion: the permutes are the only
-    /// shuffles, which matters because shuffles and half the FMAs share one execution port.
-    /// `scales16(g, n)` decodes the scales of groups `g..g + n` (n <= 16) into the first n lanes.
+    /// `row` times each of `T` inputs.
     ///
     /// # Safety
-    /// The CPU must support AVX-512F; `packed` holds 16 bytes per 32 values of `x`.
+    /// As `float_steps`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn dot_floats_tokens<const T: usize>(
+        format: FloatFormat,
+        row: &[u8],
+        xs: [&[f32]; T],
+    ) -> [f32; T] {
+        let mut totals = FloatTotals([[_mm512_setzero_ps(); 4]; T]);
+        let steps = row.len() / format.size() / 64;
+        // Safety: the caller's guarantees.
+        unsafe {
+            float_steps(format, row, xs, 0..steps, &mut totals);
+            float_finish(format, row, xs, totals)
+        }
+    }
+
+    /// Each of `rows` (at most `TILE_ROWS`) times `T` inputs, 512 values at a time so that the
+    /// inputs' slices stay in L1 across the rows: `out[r * stride + t]`. Bit-identical to
+    /// `dot_floats_tokens`.
+    ///
+    /// # Safety
+    /// As `float_steps`, for every row.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     #[inline]
-    unsafe fn dot_packed<const T: usize>(
-        table: __m512,
-        packed: &[u8],
+    unsafe fn float_tile<const T: usize>(
+        format: FloatFormat,
+        rows: &[&[u8]],
         xs: [&[f32]; T],
-        scales16: impl Fn(usize, usize) -> __m512,
-    ) -> [f32; T] {
+        (out, stride): (&mut [f32], usize),
+    ) {
+        assert!(rows.len() <= TILE_ROWS);
+        let mut totals = [FloatTotals([[_mm512_setzero_ps(); 4]; T]); TILE_ROWS];
+        let steps = rows.first().map_or(0, |r| r.len() / format.size() / 64);
+        let mut start = 0;
+        while start < steps {
+            let end = (start + 8).min(steps);
+            for (row, totals) in rows.iter().zip(totals.iter_mut()) {
+                // Safety: the caller's guarantees.
+                unsafe { float_steps(format, row, xs, start..end, totals) };
+            }
+            start = end;
+        }
+        for (r, (row, totals)) in rows.iter().zip(totals).enumerate() {
+            // Safety: the caller's guarantees.
+            let sums = unsafe { float_finish(format, row, xs, totals) };
+            out[r * stride..r * stride + T].copy_from_slice(&sums);
+        }
+    }
+
+    /// How a packed row's group scales are stored.
+    #[derive(Clone, Copy)]
+    enum DecodeScales {
+        /// One E8M0 byte per group (MXFP4).
+        E8m0,
+        /// One little-endian f16 per group (INT4).
+        F16,
+    }
+
+    impl DecodeScales {
+        /// The scales of groups `g..g + n` (n <= 16) of a row's scale bytes, in the first n lanes.
+        ///
+        /// # Safety
+        /// AVX-512 F/BW/VL; those groups exist in `scales`.
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+        #[inline]
+        unsafe fn decode(self, scales: &[u8], g: usize, n: usize) -> __m512 {
+            // Safety: the caller's guarantees.
+            unsafe {
+                match self {
+                    DecodeScales::E8m0 => e8m0_scales16(scales, g, n),
+                    DecodeScales::F16 => f16_scales16(scales, g, n),
+                }
+            }
+        }
+    }
+
+    /// One packed row's running sums for `T` inputs: two per input, so that consecutive runs do
+    /// not wait on each other's additions.
+    #[derive(Clone, Copy)]
+    struct Totals<const T: usize> {
+        even: [__m512; T],
+        odd: [__m512; T],
+    }
+
+    impl<const T: usize> Totals<T> {
+        #[target_feature(enable = "avx512f")]
+        fn zero() -> Totals<T> {
+            Totals {
+                even: [_mm512_setzero_ps(); T],
+                odd: [_mm512_setzero_ps(); T],
+            }
+        }
+    }
+
+    /// Adds runs `runs` (starting at a multiple of 4) of a packed 4-bit row times `T` inputs laid
+    /// out by `arrange_packed_input` to `totals`: `sum over groups g of scale(g) * sum_j
+    /// table[nibble j] * x_j`. A run of four groups is one 64-byte load; shifting its 32-bit
+    /// words by 4k puts nibble k of every word in the low bits of its lane, and one permute of a
+    /// 16-entry f32 table turns those into weights (the permute reads only the low 4 bits). No
+    /// byte widening and no integer-to-float conversion: the permutes are the only shuffles,
+    /// which matters because shuffles and half the FMAs share one execution port. Every input's
+    /// sums run in the same order whatever `T` and however the runs are split into calls.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F; `packed` holds 16 bytes per 32 values of each input and
+    /// `scales` what `decode` reads for its groups.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn packed_runs<const T: usize>(
+        (table, decode): (__m512, DecodeScales),
+        (packed, scales): (&[u8], &[u8]),
+        xs: [&[f32]; T],
+        runs: std::ops::Range<usize>,
+        totals: &mut Totals<T>,
+    ) {
         let groups = packed.len() / 16;
         assert!(packed.len() == 16 * groups && xs.iter().all(|x| x.len() == 32 * groups));
-        let runs = groups / 4;
+        assert!(runs.start % 4 == 0 && runs.end <= groups / 4);
         let p = packed.as_ptr();
-        // Per token, two running totals: consecutive runs do not wait on each other's additions.
-        let mut even = [_mm512_setzero_ps(); T];
-        let mut odd = [_mm512_setzero_ps(); T];
         // Lane i of run c (c % 4 = j) takes scale 4j + i / 4 of the 16 decoded at once.
         let spread = |j: i32| {
             let g = 4 * j;
@@ -569,14 +755,15 @@ mod x86_512 {
             )
         };
         let spreads = [spread(0), spread(1), spread(2), spread(3)];
-        let mut scales = _mm512_setzero_ps();
-        for c in 0..runs {
+        let mut decoded = _mm512_setzero_ps();
+        for c in runs {
             if c % 4 == 0 {
                 let g = 4 * c;
-                scales = scales16(g, (groups - g).min(16));
+                // Safety: groups g..g + n exist.
+                decoded = unsafe { decode.decode(scales, g, (groups - g).min(16)) };
             }
             prefetch_ahead(p.wrapping_add(64 * c), 64);
-            // Safety: run c's 64 bytes are in bounds (c < runs, asserted above).
+            // Safety: run c's 64 bytes are in bounds (c < groups / 4, asserted above).
             let words = unsafe { _mm512_loadu_si512(p.add(64 * c).cast()) };
             // The weights of the run, nibble k of every word (lane i: input 8i + k of the run,
             // all of lane i's inputs from group i / 4).
@@ -590,11 +777,11 @@ mod x86_512 {
                 _mm512_permutexvar_ps(_mm512_srli_epi32::<24>(words), table),
                 _mm512_permutexvar_ps(_mm512_srli_epi32::<28>(words), table),
             ];
-            let s = _mm512_permutexvar_ps(spreads[c % 4], scales);
+            let s = _mm512_permutexvar_ps(spreads[c % 4], decoded);
             // Safety: run c's 128 inputs are in bounds (asserted above).
             let input =
                 |t: usize, k: usize| unsafe { _mm512_loadu_ps(xs[t].as_ptr().add(128 * c + 16 * k)) };
-            // Per token: a sums the even nibbles' products, b the odd ones'; the tokens'
+            // Per input: a sums the even nibbles' products, b the odd ones'; the inputs'
             // chains interleave so that independent instructions sit next to each other.
             let mut a = [_mm512_setzero_ps(); T];
             let mut b = [_mm512_setzero_ps(); T];
@@ -611,15 +798,33 @@ mod x86_512 {
             for t in 0..T {
                 let sum = _mm512_add_ps(a[t], b[t]);
                 if c % 2 == 0 {
-                    even[t] = _mm512_fmadd_ps(sum, s, even[t]);
+                    totals.even[t] = _mm512_fmadd_ps(sum, s, totals.even[t]);
                 } else {
-                    odd[t] = _mm512_fmadd_ps(sum, s, odd[t]);
+                    totals.odd[t] = _mm512_fmadd_ps(sum, s, totals.odd[t]);
                 }
             }
         }
-        // The groups after the last whole run: inputs split into evens then odds.
-        let first = 4 * runs;
-        let last_scales = scales16(first, groups - first);
+    }
+
+    /// Adds the groups after the last whole run (inputs split into evens then odds) to `totals`
+    /// and reduces them: the row's dot product with each input.
+    ///
+    /// # Safety
+    /// As `packed_runs`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn packed_finish<const T: usize>(
+        (table, decode): (__m512, DecodeScales),
+        (packed, scales): (&[u8], &[u8]),
+        xs: [&[f32]; T],
+        mut totals: Totals<T>,
+    ) -> [f32; T] {
+        let groups = packed.len() / 16;
+        assert!(packed.len() == 16 * groups && xs.iter().all(|x| x.len() == 32 * groups));
+        let p = packed.as_ptr();
+        let first = 4 * (groups / 4);
+        // Safety: groups first..groups exist.
+        let last_scales = unsafe { decode.decode(scales, first, groups - first) };
         for g in first..groups {
             // Safety: group g's 16 bytes are in bounds (asserted above).
             let codes = unsafe { _mm512_cvtepu8_epi32(_mm_loadu_si128(p.add(16 * g).cast())) };
@@ -633,14 +838,105 @@ mod x86_512 {
                     let sum = _mm512_mul_ps(low, _mm512_loadu_ps(xg));
                     _mm512_fmadd_ps(high, _mm512_loadu_ps(xg.add(16)), sum)
                 };
-                even[t] = _mm512_fmadd_ps(sum, s, even[t]);
+                totals.even[t] = _mm512_fmadd_ps(sum, s, totals.even[t]);
             }
         }
         let mut sums = [0f32; T];
         for t in 0..T {
-            sums[t] = _mm512_reduce_add_ps(_mm512_add_ps(even[t], odd[t]));
+            sums[t] = _mm512_reduce_add_ps(_mm512_add_ps(totals.even[t], totals.odd[t]));
         }
         sums
+    }
+
+    /// One packed row times `T` inputs.
+    ///
+    /// # Safety
+    /// As `packed_runs`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn dot_packed<const T: usize>(
+        format: (__m512, DecodeScales),
+        row: (&[u8], &[u8]),
+        xs: [&[f32]; T],
+    ) -> [f32; T] {
+        let mut totals = Totals::zero();
+        // Safety: the caller's guarantees.
+        unsafe {
+            packed_runs(format, row, xs, 0..row.0.len() / 64, &mut totals);
+            packed_finish(format, row, xs, totals)
+        }
+    }
+
+    /// Runs of 4 groups (512 inputs) a tile works through before moving to the next: the
+    /// inputs' slices of a block (8 KiB for 4 inputs) stay in L1 while every row of the tile
+    /// reads them, instead of streaming whole inputs from L2 once per row.
+    const TILE_RUNS: usize = 4;
+
+    use super::TILE_ROWS;
+
+    /// Each of `rows` (packed bytes, scale bytes; at most `TILE_ROWS`) times `T` inputs, block
+    /// of runs by block of runs: `out[r * stride + t]`. Bit-identical to `dot_packed`.
+    ///
+    /// # Safety
+    /// As `packed_runs`, for every row.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn packed_tile<const T: usize>(
+        format: (__m512, DecodeScales),
+        rows: &[(&[u8], &[u8])],
+        xs: [&[f32]; T],
+        (out, stride): (&mut [f32], usize),
+    ) {
+        assert!(rows.len() <= TILE_ROWS);
+        let mut totals = [Totals::<T>::zero(); TILE_ROWS];
+        let runs = rows.first().map_or(0, |(p, _)| p.len() / 64);
+        let mut start = 0;
+        while start < runs {
+            let end = (start + TILE_RUNS).min(runs);
+            for (row, totals) in rows.iter().zip(totals.iter_mut()) {
+                // Safety: the caller's guarantees.
+                unsafe { packed_runs(format, *row, xs, start..end, totals) };
+            }
+            start = end;
+        }
+        for (r, (row, totals)) in rows.iter().zip(totals).enumerate() {
+            // Safety: the caller's guarantees.
+            let sums = unsafe { packed_finish(format, *row, xs, totals) };
+            out[r * stride..r * stride + T].copy_from_slice(&sums);
+        }
+    }
+
+    /// Runs `$call` over `$xs` in blocks of up to four inputs, `$block` being an array of them and
+    /// `$t` the index of its first.
+    macro_rules! for_blocks_of_four {
+        ($xs:expr, |$block:ident, $t:ident| $call:expr) => {{
+            let xs: &[&[f32]] = $xs;
+            let mut $t = 0;
+            while $t < xs.len() {
+                match xs.len() - $t {
+                    1 => {
+                        let $block = [xs[$t]];
+                        $call;
+                        $t += 1;
+                    }
+                    2 => {
+                        let $block = [xs[$t], xs[$t + 1]];
+                        $call;
+                        $t += 2;
+                    }
+                    3 => {
+                        let $block = [xs[$t], xs[$t + 1], xs[$t + 2]];
+                        $call;
+                        $t += 3;
+                    }
+                    _ => {
+                        let $block = [xs[$t], xs[$t + 1], xs[$t + 2], xs[$t + 3]];
+                        $call;
+                        $t += 4;
+                    }
+                }
+            }
+        }};
     }
 
     /// Runs `$call` (an expression of `$block`, an array of up to four inputs) over `$xs` four
@@ -686,11 +982,25 @@ mod x86_512 {
         in_blocks_of_four!(xs, out, |block| unsafe { dot_floats_tokens(format, row, block) });
     }
 
+    /// Rows (at most `TILE_ROWS`) times every input: `out[r * xs.len() + t]`.
+    ///
+    /// # Safety
+    /// As `dot_floats_tokens`, for every row and input.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn floats_tile(format: FloatFormat, rows: &[&[u8]], xs: &[&[f32]], out: &mut [f32]) {
+        let stride = xs.len();
+        // Safety: the caller's guarantees.
+        for_blocks_of_four!(xs, |block, t| unsafe {
+            float_tile(format, rows, block, (&mut out[t..], stride))
+        });
+    }
+
     /// The 16 E8M0 scales from group `g` (the first `n` of them) as f32.
     ///
     /// # Safety
     /// AVX-512 F/BW/VL; groups `g..g + n` exist in `scales`, n <= 16.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
     unsafe fn e8m0_scales16(scales: &[u8], g: usize, n: usize) -> __m512 {
         assert!(n <= 16 && g + n <= scales.len());
         // Safety: the masked load reads bytes g..g + n only, which exist; masked-out bytes are
@@ -708,6 +1018,7 @@ mod x86_512 {
     /// # Safety
     /// AVX-512 F/BW/VL; groups `g..g + n` exist in `scales` (2 bytes each), n <= 16.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
     unsafe fn f16_scales16(scales: &[u8], g: usize, n: usize) -> __m512 {
         assert!(n <= 16 && 2 * (g + n) <= scales.len());
         // Safety: the masked load reads the n scales from group g, which exist.
@@ -793,42 +1104,74 @@ mod x86_512 {
         unsafe { _mm512_loadu_ps(CENTERED.as_ptr()) }
     }
 
+    /// MXFP4: E2M1 weights, one E8M0 scale byte per group.
+    fn mxfp4_format() -> (__m512, DecodeScales) {
+        (fp4_table(), DecodeScales::E8m0)
+    }
+
+    /// Group-scaled INT4: nibble - 8, one f16 scale per group.
+    fn int4_format() -> (__m512, DecodeScales) {
+        (int4_table(), DecodeScales::F16)
+    }
+
     /// # Safety
-    /// As `dot_packed`; `scales` holds one E8M0 byte per group.
+    /// As `packed_runs`; `scales` holds one E8M0 byte per group.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub unsafe fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
-        let scales16 = |g, n| unsafe { e8m0_scales16(scales, g, n) };
-        // Safety: the caller's guarantees are `dot_packed`'s.
-        unsafe { dot_packed(fp4_table(), blocks, [x], scales16)[0] }
+        // Safety: the caller's guarantees.
+        unsafe { dot_packed(mxfp4_format(), (blocks, scales), [x])[0] }
     }
 
     /// # Safety
     /// As `dot_mxfp4`, for every input.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub unsafe fn dot_mxfp4_each(blocks: &[u8], scales: &[u8], xs: &[&[f32]], out: &mut [f32]) {
-        let scales16 = |g, n| unsafe { e8m0_scales16(scales, g, n) };
-        let table = fp4_table();
-        // Safety: the caller's guarantees are `dot_packed`'s.
-        in_blocks_of_four!(xs, out, |block| unsafe { dot_packed(table, blocks, block, scales16) });
+        let format = mxfp4_format();
+        // Safety: the caller's guarantees.
+        in_blocks_of_four!(xs, out, |block| unsafe { dot_packed(format, (blocks, scales), block) });
+    }
+
+    /// Rows (at most `TILE_ROWS`) times every input: `out[r * xs.len() + t]`.
+    ///
+    /// # Safety
+    /// As `dot_mxfp4`, for every row and input.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn mxfp4_tile(rows: &[(&[u8], &[u8])], xs: &[&[f32]], out: &mut [f32]) {
+        let (format, stride) = (mxfp4_format(), xs.len());
+        // Safety: the caller's guarantees.
+        for_blocks_of_four!(xs, |block, t| unsafe {
+            packed_tile(format, rows, block, (&mut out[t..], stride))
+        });
     }
 
     /// # Safety
-    /// As `dot_packed`; `scales` holds one little-endian f16 per group.
+    /// As `packed_runs`; `scales` holds one little-endian f16 per group.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub unsafe fn dot_int4(qweight: &[u8], scales: &[u8], x: &[f32]) -> f32 {
-        let scales16 = |g, n| unsafe { f16_scales16(scales, g, n) };
-        // Safety: the caller's guarantees are `dot_packed`'s.
-        unsafe { dot_packed(int4_table(), qweight, [x], scales16)[0] }
+        // Safety: the caller's guarantees.
+        unsafe { dot_packed(int4_format(), (qweight, scales), [x])[0] }
     }
 
     /// # Safety
     /// As `dot_int4`, for every input.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub unsafe fn dot_int4_each(qweight: &[u8], scales: &[u8], xs: &[&[f32]], out: &mut [f32]) {
-        let scales16 = |g, n| unsafe { f16_scales16(scales, g, n) };
-        let table = int4_table();
-        // Safety: the caller's guarantees are `dot_packed`'s.
-        in_blocks_of_four!(xs, out, |block| unsafe { dot_packed(table, qweight, block, scales16) });
+        let format = int4_format();
+        // Safety: the caller's guarantees.
+        in_blocks_of_four!(xs, out, |block| unsafe { dot_packed(format, (qweight, scales), block) });
+    }
+
+    /// Rows (at most `TILE_ROWS`) times every input: `out[r * xs.len() + t]`.
+    ///
+    /// # Safety
+    /// As `dot_int4`, for every row and input.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn int4_tile(rows: &[(&[u8], &[u8])], xs: &[&[f32]], out: &mut [f32]) {
+        let (format, stride) = (int4_format(), xs.len());
+        // Safety: the caller's guarantees.
+        for_blocks_of_four!(xs, |block, t| unsafe {
+            packed_tile(format, rows, block, (&mut out[t..], stride))
+        });
     }
 }
 
@@ -965,6 +1308,9 @@ mod tests {
         let inputs: Vec<Vec<f32>> = (0..7).map(|t| values(n, 11 + t)).collect();
         let row = bf16_bytes(&values(n, 4));
         let blocks: Vec<u8> = (0..n / 2).map(|i| (i * 53 + 5) as u8).collect();
+        let wide_blocks: Vec<u8> = (0..2 * n + 16 * TILE_ROWS)
+            .map(|i| (i * 29 + 1) as u8)
+            .collect();
         let scales: Vec<u8> = (0..n / 32).map(|g| 120 + (g % 9) as u8).collect();
         let int4_scales: Vec<u8> = (0..n / 32)
             .flat_map(|g| half::f16::from_f32(0.02 * (g % 5 + 1) as f32).to_le_bytes())
@@ -976,6 +1322,20 @@ mod tests {
                 float_dot_each(kernels)(FloatFormat::Bf16, &row, &xs, &mut sums);
                 for (x, sum) in xs.iter().zip(&sums) {
                     assert_eq!(*sum, float_dot(kernels)(FloatFormat::Bf16, &row, x));
+                }
+                let float_rows: Vec<&[u8]> = (0..TILE_ROWS)
+                    .map(|r| &wide_blocks[2 * r..2 * r + 2 * n])
+                    .collect();
+                let mut tiled = vec![0f32; TILE_ROWS * count];
+                float_tile(kernels)(FloatFormat::Bf16, &float_rows, &xs, &mut tiled);
+                for (r, row) in float_rows.iter().enumerate() {
+                    for (t, x) in xs.iter().enumerate() {
+                        assert_eq!(
+                            tiled[r * count + t].to_bits(),
+                            float_dot(kernels)(FloatFormat::Bf16, row, x).to_bits(),
+                            "{kernels:?} float tile row {r} input {t}"
+                        );
+                    }
                 }
                 let q8_values: Vec<u8> = (0..n).map(|i| (i * 71 + 9) as u8).collect();
                 q8_dot_each(kernels)(&q8_values, &int4_scales, &xs, &mut sums);
@@ -1004,6 +1364,23 @@ mod tests {
                     (kernel.dot_each)(&blocks, scales, &refs, &mut sums);
                     for (x, sum) in refs.iter().zip(&sums) {
                         assert_eq!(*sum, (kernel.dot)(&blocks, scales, x), "{kernels:?}");
+                    }
+                    // A tile of rows (the same row's bytes shifted, so rows differ).
+                    let rows: Vec<(&[u8], &[u8])> = (0..TILE_ROWS)
+                        .map(|r| (&wide_blocks[r * 16..r * 16 + n / 2], &scales[..]))
+                        .collect();
+                    for count in [1, 5, TILE_ROWS] {
+                        let mut tiled = vec![0f32; count * refs.len()];
+                        (kernel.tile)(&rows[..count], &refs, &mut tiled);
+                        for (r, (packed, s)) in rows[..count].iter().enumerate() {
+                            for (t, x) in refs.iter().enumerate() {
+                                assert_eq!(
+                                    tiled[r * refs.len() + t].to_bits(),
+                                    (kernel.dot)(packed, s, x).to_bits(),
+                                    "{kernels:?} tile of {count}, row {r}, input {t}"
+                                );
+                            }
+                        }
                     }
                 }
             }

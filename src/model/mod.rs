@@ -12,7 +12,7 @@ use std::path::Path;
 use rayon::prelude::*;
 
 use crate::config::Config;
-use crate::cpu::attention::{HeadLayout, attend, first_visible_key};
+use crate::cpu::attention::{HeadLayout, attend_head, first_visible_key};
 use crate::cpu::matmul::{dense_matmul, expert_matmul};
 use crate::cpu::moe::{Routing, clamped_swiglu, route};
 use crate::cpu::norm::rms_norm;
@@ -509,17 +509,21 @@ impl Model {
                     cache.get(l, j)
                 }
             };
-            out.par_chunks_mut(qd).enumerate().for_each(|(t, o)| {
+            // One task per (position, head): decode has one position but many heads.
+            let d = cfg.head_dim;
+            out.par_chunks_mut(d).enumerate().for_each(|(i, oh)| {
+                let (t, h) = (i / cfg.num_heads, i % cfg.num_heads);
                 let position = start + t;
                 let keys = first_visible_key(position, window)..=position;
-                attend(
+                attend_head(
                     layout,
+                    h,
                     &q[t * qd..(t + 1) * qd],
                     keys,
-                    kv,
-                    &layer.sinks,
+                    &kv,
+                    layer.sinks[h],
                     scaling,
-                    o,
+                    oh,
                 );
             });
         }
