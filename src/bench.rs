@@ -93,8 +93,11 @@ pub struct BenchRun {
     pub bytes_per_token: f64,
     /// bytes_per_token x decode tokens/s.
     pub achieved_bytes_per_s: f64,
-    /// This machine's read bandwidth, measured in the same bench (roofline runs only).
+    /// This machine's read bandwidth, measured in the same bench (roofline runs only), on the
+    /// page size the run's weights live in.
     pub bandwidth_bytes_per_s: Option<f64>,
+    /// Whether that was huge pages (weights copied into memory) or small ones (mapped).
+    pub bandwidth_huge_pages: Option<bool>,
     /// achieved / measured bandwidth (roofline runs only).
     pub roofline_fraction: Option<f64>,
     /// Prefill speed of a 512-token prompt (roofline runs only).
@@ -183,16 +186,20 @@ pub fn run_bench(
         .flat_map(|&v| options.ram_budgets.iter().map(move |&r| (v, r)))
         .flat_map(|(v, r)| prefetch.iter().map(move |&p| (v, r, p)))
         .collect();
+    // Each page size the weights may live in: small (mapped files), huge (copied into memory).
     let bandwidth = options.roofline.then(|| {
-        let b = crate::cpu::machine::measure_read_bandwidth(BANDWIDTH_BUFFER_BYTES, 3);
-        log::info!(
-            "read bandwidth: {:.2} GB/s ({} threads, {} MiB read {} times, best pass)",
-            b.bytes_per_s / 1e9,
-            b.threads,
-            b.buffer_bytes >> 20,
-            b.passes
-        );
-        b
+        [false, true].map(|huge| {
+            let b = crate::cpu::machine::measure_read_bandwidth(BANDWIDTH_BUFFER_BYTES, 3, huge);
+            log::info!(
+                "read bandwidth: {:.2} GB/s ({} pages, {} threads, {} MiB read {} times, best pass)",
+                b.bytes_per_s / 1e9,
+                if huge { "huge" } else { "small" },
+                b.threads,
+                b.buffer_bytes >> 20,
+                b.passes
+            );
+            b
+        })
     });
     let mut runs = Vec::new();
     for (done, &(vram_budget, budget, prefetch)) in configurations.iter().enumerate() {
@@ -257,6 +264,8 @@ pub fn run_bench(
         let decode_tokens_per_s = out.decode_tokens_per_s().unwrap_or(0.0);
         let achieved_bytes_per_s = bytes_per_token * decode_tokens_per_s;
         drop(session);
+        // The limit of the memory this run's weights live in.
+        let limit = bandwidth.map(|b| b[usize::from(model.weights_in_memory)].bytes_per_s);
         let prefill_512_tokens_per_s = if options.roofline {
             Some(long_prefill_tokens_per_s(&model, options, vram_budget)?)
         } else {
@@ -296,8 +305,9 @@ pub fn run_bench(
             warmup_s,
             bytes_per_token,
             achieved_bytes_per_s,
-            bandwidth_bytes_per_s: bandwidth.map(|b| b.bytes_per_s),
-            roofline_fraction: bandwidth.map(|b| achieved_bytes_per_s / b.bytes_per_s),
+            bandwidth_bytes_per_s: limit,
+            bandwidth_huge_pages: bandwidth.map(|_| model.weights_in_memory),
+            roofline_fraction: limit.map(|b| achieved_bytes_per_s / b),
             prefill_512_tokens_per_s,
         });
         progress(done + 1, configurations.len());
