@@ -314,10 +314,14 @@ impl Model {
         let cfg = &self.config;
         let start = cache.len();
         generate::validate_tokens(cfg, start, tokens, cache.context())?;
-        let mut hidden = self.embed(tokens);
-        self.run_layers(cache, &mut hidden, 0..cfg.num_layers, trace)?;
-        cache.advance(tokens.len());
-        Ok(self.head(&hidden))
+        // On a worker of the CPU tier's pool: each parallel kernel then starts on this thread
+        // at once, instead of waking the pool from outside and sleeping until it is done.
+        rayon::scope(|_| {
+            let mut hidden = self.embed(tokens);
+            self.run_layers(cache, &mut hidden, 0..cfg.num_layers, trace)?;
+            cache.advance(tokens.len());
+            Ok(self.head(&hidden))
+        })
     }
 
     /// Bytes of dense weights one decoded token reads: every layer's attention projections and
