@@ -1,8 +1,16 @@
-//! CPU kernel throughput on GPT-OSS-20B's real shapes (random weights).
-//! `cargo bench --bench cpu_kernels`; criterion reports time and bytes/s per kernel.
+//! CPU kernel throughput on GPT-OSS-20B's real shapes (random weights), one group per kernel:
+//! `cargo bench --bench cpu_kernels`; criterion reports time and bytes/s per kernel. Matrices
+//! up to a few MiB stay in cache between iterations (kernel speed); the 201088-row LM head does
+//! not (memory speed).
+//!
+//! - `matvec`: one token (decode) through each shape.
+//! - `prefill8`: eight tokens through each shape (a prompt's tokens per expert, on average, for
+//!   a 64-token prompt on GPT-OSS-20B), each row read once for all of them.
+//! - `q8`: the `--dense-format q8` versions of the dense shapes.
 
-use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use picchio::cpu::matmul::{dense_matmul, mxfp4_matmul};
+use picchio::cpu::q8::{Q8Matrix, q8_matmul};
 use picchio::weights::{DenseMatrix, FloatFormat, Mxfp4Experts, TensorBytes};
 
 /// Deterministic pseudo-random bytes (xorshift), so runs compare.
@@ -50,30 +58,56 @@ fn input(len: usize) -> Vec<f32> {
     (0..len).map(|i| ((i as f32) * 0.618).sin()).collect()
 }
 
+const EXPERT_SHAPES: [(&str, usize, usize); 2] = [
+    ("mxfp4_5760x2880", 5760, 2880),
+    ("mxfp4_2880x2880", 2880, 2880),
+];
+
+const DENSE_SHAPES: [(&str, usize, usize); 2] = [
+    ("bf16_4096x2880", 4096, 2880),
+    ("bf16_lm_head_201088x2880", 201088, 2880),
+];
+
 fn kernels(c: &mut Criterion) {
-    let mut group = c.benchmark_group("matvec");
-    group.sample_size(10);
-    for (name, rows, cols) in [
-        ("mxfp4_5760x2880", 5760, 2880),
-        ("mxfp4_2880x2880", 2880, 2880),
-    ] {
-        let w = mxfp4_expert(rows, cols);
-        let x = input(cols);
-        let mut y = vec![0f32; rows];
-        group.throughput(Throughput::Bytes(
-            (rows * cols / 2 + rows * cols / 32) as u64,
-        ));
-        group.bench_function(name, |b| b.iter(|| mxfp4_matmul(&w, 0, &x, None, &mut y)));
+    for tokens in [1usize, 8] {
+        let name = if tokens == 1 { "matvec" } else { "prefill8" };
+        let mut group = c.benchmark_group(name);
+        group.sample_size(10);
+        for (shape, rows, cols) in EXPERT_SHAPES {
+            let w = mxfp4_expert(rows, cols);
+            let x = input(tokens * cols);
+            let mut y = vec![0f32; tokens * rows];
+            group.throughput(Throughput::Bytes(
+                (rows * cols / 2 + rows * cols / 32) as u64,
+            ));
+            group.bench_function(BenchmarkId::new(shape, tokens), |b| {
+                b.iter(|| mxfp4_matmul(&w, 0, &x, None, &mut y))
+            });
+        }
+        for (shape, rows, cols) in DENSE_SHAPES {
+            if tokens > 1 && rows > 100_000 {
+                continue; // the LM head runs for the last position only
+            }
+            let w = bf16_matrix(rows, cols);
+            let x = input(tokens * cols);
+            let mut y = vec![0f32; tokens * rows];
+            group.throughput(Throughput::Bytes((rows * cols * 2) as u64));
+            group.bench_function(BenchmarkId::new(shape, tokens), |b| {
+                b.iter(|| dense_matmul(&w, &x, None, &mut y))
+            });
+        }
+        group.finish();
     }
-    for (name, rows, cols) in [
-        ("bf16_4096x2880", 4096, 2880),
-        ("bf16_lm_head_201088x2880", 201088, 2880),
-    ] {
-        let w = bf16_matrix(rows, cols);
+    let mut group = c.benchmark_group("q8");
+    group.sample_size(10);
+    for (shape, rows, cols) in DENSE_SHAPES {
+        let w = Q8Matrix::quantize(&bf16_matrix(rows, cols), shape).unwrap();
         let x = input(cols);
         let mut y = vec![0f32; rows];
-        group.throughput(Throughput::Bytes((rows * cols * 2) as u64));
-        group.bench_function(name, |b| b.iter(|| dense_matmul(&w, &x, None, &mut y)));
+        group.throughput(Throughput::Bytes(w.bytes() as u64));
+        group.bench_function(shape.replace("bf16", "q8"), |b| {
+            b.iter(|| q8_matmul(&w, &x, None, &mut y))
+        });
     }
     group.finish();
 }

@@ -570,20 +570,82 @@ mod x86_512 {
         let size = format.size();
         let n = row.len() / size;
         assert!(row.len() == size * n && xs.iter().all(|x| x.len() == n) && 64 * steps.end <= n);
+        // One loop per format, the format's load inlined into it.
+        // Safety (each): the caller's guarantees.
+        unsafe {
+            match format {
+                FloatFormat::Bf16 => float_steps_as::<T, 2>(load_bf16, row, xs, steps, totals),
+                FloatFormat::F16 => float_steps_as::<T, 2>(load_f16, row, xs, steps, totals),
+                FloatFormat::F32 => float_steps_as::<T, 4>(load_f32, row, xs, steps, totals),
+            }
+        }
+    }
+
+    /// 16 bf16 values at `p` as f32.
+    ///
+    /// # Safety
+    /// AVX-512F; 32 readable bytes at `p`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load_bf16(p: *const u8) -> __m512 {
+        // Safety: the caller's guarantees.
+        unsafe { load16(FloatFormat::Bf16, p) }
+    }
+
+    /// 16 f16 values at `p` as f32.
+    ///
+    /// # Safety
+    /// AVX-512F; 32 readable bytes at `p`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load_f16(p: *const u8) -> __m512 {
+        // Safety: the caller's guarantees.
+        unsafe { load16(FloatFormat::F16, p) }
+    }
+
+    /// 16 f32 values at `p`.
+    ///
+    /// # Safety
+    /// AVX-512F; 64 readable bytes at `p`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn load_f32(p: *const u8) -> __m512 {
+        // Safety: the caller's guarantees.
+        unsafe { load16(FloatFormat::F32, p) }
+    }
+
+    /// `float_steps` for values of `SIZE` bytes read by `load`.
+    ///
+    /// # Safety
+    /// As `float_steps`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn float_steps_as<const T: usize, const SIZE: usize>(
+        load: unsafe fn(*const u8) -> __m512,
+        row: &[u8],
+        xs: [&[f32]; T],
+        steps: std::ops::Range<usize>,
+        totals: &mut FloatTotals<T>,
+    ) {
         let w = row.as_ptr();
+        // The sums in registers for the whole loop.
+        let mut acc = totals.0;
         for step in steps {
             let i = 64 * step;
-            prefetch_ahead(w.wrapping_add(size * i), 64 * size);
+            prefetch_ahead(w.wrapping_add(SIZE * i), 64 * SIZE);
             for k in 0..4 {
                 let at = i + 16 * k;
-                // Safety: at + 16 <= n, so 16 values of `row` and of each input are in bounds.
-                let weights = unsafe { load16(format, w.add(size * at)) };
-                for (a, x) in totals.0.iter_mut().zip(&xs) {
+                // Safety: at + 16 <= n (checked by `float_steps`): 16 values of `row` and of
+                // each input are in bounds.
+                let weights = unsafe { load(w.add(SIZE * at)) };
+                for (a, x) in acc.iter_mut().zip(&xs) {
                     // Safety: as above.
-                    a[k] = _mm512_fmadd_ps(weights, unsafe { _mm512_loadu_ps(x.as_ptr().add(at)) }, a[k]);
+                    let x = unsafe { _mm512_loadu_ps(x.as_ptr().add(at)) };
+                    a[k] = _mm512_fmadd_ps(weights, x, a[k]);
                 }
             }
         }
+        totals.0 = acc;
     }
 
     /// Adds the values after the last whole 64-value step to `totals` and reduces them: the
