@@ -380,3 +380,98 @@ fn gpu_backend_without_a_usable_adapter_is_a_clear_error() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn speed_options_out_of_range_are_clear_errors() {
+    let dir = fixtures_dir().join("tiny-single");
+    // q8 dense weights are the CPU tier's own numeric mode.
+    rejects(
+        &dir,
+        "1,2,3",
+        &["--dense-format", "q8", "--backend", "gpu"],
+        &["--dense-format q8 runs on the CPU tier only"],
+    );
+    rejects(
+        &dir,
+        "1,2,3",
+        &["--dense-format", "q4"],
+        &["expected checkpoint"],
+    );
+    rejects(
+        &dir,
+        "1,2,3",
+        &["--mmap", "maybe"],
+        &["expected auto, on or off"],
+    );
+    rejects(
+        &dir,
+        "1,2,3",
+        &["--threads", "0"],
+        &["--threads must be at least 1"],
+    );
+    // `agree` compares a faster mode with the exact path: there must be one.
+    let (ok, stdout, stderr) =
+        picchio(&["agree", "--model", dir.to_str().unwrap(), "--ids", "1,2,3"]);
+    assert!(!ok && stdout.is_empty(), "{stdout}");
+    assert!(stderr.contains("pass --dense-format q8"), "{stderr}");
+}
+
+#[test]
+fn q8_and_thread_options_run_through_the_cli() {
+    let dir = fixtures_dir().join("tiny-single");
+    let dir = dir.to_str().unwrap();
+    for extra in [
+        &["--dense-format", "q8", "--backend", "cpu"][..],
+        &["--mmap", "on", "--threads", "1", "--backend", "cpu"][..],
+        &["--mmap", "off", "--backend", "cpu"][..],
+    ] {
+        let mut args = vec![
+            "generate",
+            "--model",
+            dir,
+            "--ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "4",
+        ];
+        args.extend_from_slice(extra);
+        let (ok, stdout, stderr) = picchio(&args);
+        assert!(ok, "{args:?}: {stderr}");
+        assert_eq!(stdout.split_whitespace().count(), 4, "{args:?}: {stdout}");
+    }
+    // Mapped or copied, one thread or several: the same tokens.
+    let tokens = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "--model",
+            dir,
+            "--ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "8",
+            "--backend",
+            "cpu",
+        ];
+        args.extend_from_slice(extra);
+        picchio(&args).1
+    };
+    let reference = tokens(&[]);
+    assert_eq!(tokens(&["--mmap", "on", "--threads", "1"]), reference);
+    assert_eq!(tokens(&["--mmap", "off", "--threads", "2"]), reference);
+    let (ok, stdout, stderr) = picchio(&[
+        "agree",
+        "--model",
+        dir,
+        "--ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "16",
+        "--dense-format",
+        "q8",
+        "--json",
+    ]);
+    assert!(ok, "{stderr}");
+    let report: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(report["steps"], 16);
+    assert!(report["agreeing"].as_u64().unwrap() <= 16);
+}
