@@ -162,23 +162,28 @@ impl TensorBytes {
         let Backing::Mapped(map) = &self.backing else {
             return;
         };
-        const PAGE: usize = 4096;
-        // Only whole pages inside the range: the neighbours may still be in use.
-        let first = self.range.start.div_ceil(PAGE) * PAGE;
-        let end = self.range.end / PAGE * PAGE;
-        if end > first {
-            // Safety: the mapping is a read-only shared file mapping: dropping its pages loses
-            // nothing (a later read faults the file's bytes back in), so every slice over it
-            // stays valid and unchanged.
-            let released = unsafe {
-                map.unchecked_advise_range(
-                    memmap2::UncheckedAdvice::DontNeed,
-                    first,
-                    end - first,
-                )
-            };
-            if let Err(e) = released {
-                log::debug!("could not release {} mapped bytes: {e}", end - first);
+        #[cfg(not(unix))]
+        let _ = map; // Elsewhere the OS trims the working set of a mapping itself.
+        #[cfg(unix)]
+        {
+            const PAGE: usize = 4096;
+            // Only whole pages inside the range: the neighbours may still be in use.
+            let first = self.range.start.div_ceil(PAGE) * PAGE;
+            let end = self.range.end / PAGE * PAGE;
+            if end > first {
+                // Safety: the mapping is a read-only shared file mapping: dropping its pages loses
+                // nothing (a later read faults the file's bytes back in), so every slice over it
+                // stays valid and unchanged.
+                let released = unsafe {
+                    map.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        first,
+                        end - first,
+                    )
+                };
+                if let Err(e) = released {
+                    log::debug!("could not release {} mapped bytes: {e}", end - first);
+                }
             }
         }
     }

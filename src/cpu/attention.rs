@@ -58,7 +58,11 @@ pub fn attend_head<'a>(
         .clone()
         .map(|j| {
             let kh = &kv(j).0[g * d..(g + 1) * d];
-            dot(crate::weights::FloatFormat::F32, bytemuck::cast_slice(kh), qh) * scaling
+            dot(
+                crate::weights::FloatFormat::F32,
+                bytemuck::cast_slice(kh),
+                qh,
+            ) * scaling
         })
         .collect();
     let max = scores.iter().copied().fold(sink, f32::max);

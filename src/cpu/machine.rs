@@ -139,7 +139,10 @@ fn sum_words(words: &[u64]) -> u64 {
             *lane = lane.wrapping_add(*w);
         }
     }
-    let tail = blocks.remainder().iter().fold(0u64, |a, w| a.wrapping_add(*w));
+    let tail = blocks
+        .remainder()
+        .iter()
+        .fold(0u64, |a, w| a.wrapping_add(*w));
     lanes.iter().fold(tail, |a, w| a.wrapping_add(*w))
 }
 

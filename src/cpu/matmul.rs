@@ -61,7 +61,12 @@ pub(crate) fn decode_at(format: FloatFormat, bytes: &[u8], k: usize) -> f32 {
 /// Dot product of one MXFP4 row (16 bytes + 1 scale per 32 inputs) with `x`: the SIMD kernel
 /// where this CPU has one, else the scalar reference.
 pub fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
-    packed_dot(super::simd::mxfp4_dot(super::simd::kernels()), blocks, scales, x)
+    packed_dot(
+        super::simd::mxfp4_dot(super::simd::kernels()),
+        blocks,
+        scales,
+        x,
+    )
 }
 
 /// `kernel`'s dot product of one packed row with `x` in natural order.
@@ -97,7 +102,12 @@ pub fn dot_mxfp4_scalar(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
 /// Dot product of one group-scaled INT4 row (16 bytes + one f16 scale per 32 inputs) with `x`:
 /// the SIMD kernel where this CPU has one, else the scalar reference.
 pub fn dot_int4(qweight: &[u8], scales: &[u8], x: &[f32]) -> f32 {
-    packed_dot(super::simd::int4_dot(super::simd::kernels()), qweight, scales, x)
+    packed_dot(
+        super::simd::int4_dot(super::simd::kernels()),
+        qweight,
+        scales,
+        x,
+    )
 }
 
 /// The scalar reference of `dot_int4`.
@@ -215,7 +225,9 @@ pub fn mxfp4_matmul(
     out: &mut [f32],
 ) {
     let kernel = super::simd::mxfp4_dot(super::simd::kernels());
-    packed_matmul(kernel, (w.rows, w.cols), xs, bias, out, |r| w.row(expert, r));
+    packed_matmul(kernel, (w.rows, w.cols), xs, bias, out, |r| {
+        w.row(expert, r)
+    });
 }
 
 /// One expert's group-scaled INT4 linear layer over one or more tokens.
@@ -227,7 +239,9 @@ pub fn int4_matmul(
     out: &mut [f32],
 ) {
     let kernel = super::simd::int4_dot(super::simd::kernels());
-    packed_matmul(kernel, (w.rows, w.cols), xs, bias, out, |r| w.row(expert, r));
+    packed_matmul(kernel, (w.rows, w.cols), xs, bias, out, |r| {
+        w.row(expert, r)
+    });
 }
 
 /// A packed 4-bit linear layer: the input rearranged once for `kernel`, then every row.

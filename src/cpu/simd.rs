@@ -245,7 +245,13 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
             false,
             crate::cpu::matmul::dot_mxfp4_scalar,
             |blocks, scales, xs, out| {
-                each_with(crate::cpu::matmul::dot_mxfp4_scalar, blocks, scales, xs, out)
+                each_with(
+                    crate::cpu::matmul::dot_mxfp4_scalar,
+                    blocks,
+                    scales,
+                    xs,
+                    out,
+                )
             },
             |rows, xs, out| tile_with(mxfp4_dot(CpuKernels::Scalar).dot_each, rows, xs, out),
         ),
@@ -269,7 +275,13 @@ pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
             false,
             crate::cpu::matmul::dot_int4_scalar,
             |qweight, scales, xs, out| {
-                each_with(crate::cpu::matmul::dot_int4_scalar, qweight, scales, xs, out)
+                each_with(
+                    crate::cpu::matmul::dot_int4_scalar,
+                    qweight,
+                    scales,
+                    xs,
+                    out,
+                )
             },
             |rows, xs, out| tile_with(int4_dot(CpuKernels::Scalar).dot_each, rows, xs, out),
         ),
@@ -309,7 +321,10 @@ pub fn q8_dot_each(kernels: CpuKernels) -> Q8DotEach {
 /// The last groups of a row that make no whole run become their 16 even inputs then their 16
 /// odd ones: the low and high nibbles of their 16 bytes.
 pub fn arrange_packed_input(x: &[f32], cols: usize, out: &mut Vec<f32>) {
-    assert!(cols % 32 == 0 && x.len() % cols == 0, "packed rows hold whole groups of 32");
+    assert!(
+        cols % 32 == 0 && x.len() % cols == 0,
+        "packed rows hold whole groups of 32"
+    );
     out.clear();
     out.reserve(x.len());
     for row in x.chunks_exact(cols) {
@@ -671,7 +686,8 @@ mod x86_512 {
             let weights = unsafe { load16(format, w.add(size * i)) };
             for (a, x) in totals.0.iter_mut().zip(&xs) {
                 // Safety: as above.
-                a[0] = _mm512_fmadd_ps(weights, unsafe { _mm512_loadu_ps(x.as_ptr().add(i)) }, a[0]);
+                a[0] =
+                    _mm512_fmadd_ps(weights, unsafe { _mm512_loadu_ps(x.as_ptr().add(i)) }, a[0]);
             }
             i += 16;
         }
@@ -812,8 +828,22 @@ mod x86_512 {
         let spread = |j: i32| {
             let g = 4 * j;
             _mm512_setr_epi32(
-                g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 2, g + 2, g + 2, g + 2, g + 3, g + 3,
-                g + 3, g + 3,
+                g,
+                g,
+                g,
+                g,
+                g + 1,
+                g + 1,
+                g + 1,
+                g + 1,
+                g + 2,
+                g + 2,
+                g + 2,
+                g + 2,
+                g + 3,
+                g + 3,
+                g + 3,
+                g + 3,
             )
         };
         let spreads = [spread(0), spread(1), spread(2), spread(3)];
@@ -841,8 +871,9 @@ mod x86_512 {
             ];
             let s = _mm512_permutexvar_ps(spreads[c % 4], decoded);
             // Safety: run c's 128 inputs are in bounds (asserted above).
-            let input =
-                |t: usize, k: usize| unsafe { _mm512_loadu_ps(xs[t].as_ptr().add(128 * c + 16 * k)) };
+            let input = |t: usize, k: usize| unsafe {
+                _mm512_loadu_ps(xs[t].as_ptr().add(128 * c + 16 * k))
+            };
             // Per input: a sums the even nibbles' products, b the odd ones'; the inputs'
             // chains interleave so that independent instructions sit next to each other.
             let mut a = [_mm512_setzero_ps(); T];
@@ -1041,7 +1072,9 @@ mod x86_512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub unsafe fn dot_floats_each(format: FloatFormat, row: &[u8], xs: &[&[f32]], out: &mut [f32]) {
         // Safety: the caller's guarantees.
-        in_blocks_of_four!(xs, out, |block| unsafe { dot_floats_tokens(format, row, block) });
+        in_blocks_of_four!(xs, out, |block| unsafe {
+            dot_floats_tokens(format, row, block)
+        });
     }
 
     /// Rows (at most `TILE_ROWS`) times every input: `out[r * xs.len() + t]`.
@@ -1067,12 +1100,17 @@ mod x86_512 {
         assert!(n <= 16 && g + n <= scales.len());
         // Safety: the masked load reads bytes g..g + n only, which exist; masked-out bytes are
         // never touched.
-        let raw = unsafe { _mm_maskz_loadu_epi8(lane_mask(n) as u16, scales.as_ptr().add(g).cast()) };
+        let raw =
+            unsafe { _mm_maskz_loadu_epi8(lane_mask(n) as u16, scales.as_ptr().add(g).cast()) };
         let raw = _mm512_cvtepu8_epi32(raw);
         // 2^(s - 127) is the float with exponent field s; s = 0 is the subnormal 2^-127.
         let bits = _mm512_slli_epi32::<23>(raw);
         let zero = _mm512_cmpeq_epi32_mask(raw, _mm512_setzero_si512());
-        _mm512_castsi512_ps(_mm512_mask_mov_epi32(bits, zero, _mm512_set1_epi32(0x0040_0000)))
+        _mm512_castsi512_ps(_mm512_mask_mov_epi32(
+            bits,
+            zero,
+            _mm512_set1_epi32(0x0040_0000),
+        ))
     }
 
     /// The 16 f16 scales from group `g` (the first `n` of them) as f32.
@@ -1084,7 +1122,9 @@ mod x86_512 {
     unsafe fn f16_scales16(scales: &[u8], g: usize, n: usize) -> __m512 {
         assert!(n <= 16 && 2 * (g + n) <= scales.len());
         // Safety: the masked load reads the n scales from group g, which exist.
-        let raw = unsafe { _mm256_maskz_loadu_epi16(lane_mask(n) as u16, scales.as_ptr().add(2 * g).cast()) };
+        let raw = unsafe {
+            _mm256_maskz_loadu_epi16(lane_mask(n) as u16, scales.as_ptr().add(2 * g).cast())
+        };
         _mm512_cvtph_ps(raw)
     }
 
@@ -1148,7 +1188,9 @@ mod x86_512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub unsafe fn dot_q8_each(values: &[u8], scales: &[u8], xs: &[&[f32]], out: &mut [f32]) {
         // Safety: the caller's guarantees.
-        in_blocks_of_four!(xs, out, |block| unsafe { dot_q8_tokens(values, scales, block) });
+        in_blocks_of_four!(xs, out, |block| unsafe {
+            dot_q8_tokens(values, scales, block)
+        });
     }
 
     /// E2M1 values by 4-bit code.
@@ -1190,7 +1232,9 @@ mod x86_512 {
     pub unsafe fn dot_mxfp4_each(blocks: &[u8], scales: &[u8], xs: &[&[f32]], out: &mut [f32]) {
         let format = mxfp4_format();
         // Safety: the caller's guarantees.
-        in_blocks_of_four!(xs, out, |block| unsafe { dot_packed(format, (blocks, scales), block) });
+        in_blocks_of_four!(xs, out, |block| unsafe {
+            dot_packed(format, (blocks, scales), block)
+        });
     }
 
     /// Rows (at most `TILE_ROWS`) times every input: `out[r * xs.len() + t]`.
@@ -1220,7 +1264,9 @@ mod x86_512 {
     pub unsafe fn dot_int4_each(qweight: &[u8], scales: &[u8], xs: &[&[f32]], out: &mut [f32]) {
         let format = int4_format();
         // Safety: the caller's guarantees.
-        in_blocks_of_four!(xs, out, |block| unsafe { dot_packed(format, (qweight, scales), block) });
+        in_blocks_of_four!(xs, out, |block| unsafe {
+            dot_packed(format, (qweight, scales), block)
+        });
     }
 
     /// Rows (at most `TILE_ROWS`) times every input: `out[r * xs.len() + t]`.
@@ -1309,20 +1355,35 @@ mod tests {
                 let simd = packed(mxfp4_dot(kernels), &blocks, &scales, &x);
                 let scalar = dot_mxfp4_scalar(&blocks, &scales, &x);
                 let x_sum = x.iter().map(|v| v.abs()).sum::<f32>();
-                close(simd, scalar, 6.0 * 8.0 * x_sum, &format!("{name} mxfp4 n={n}"));
+                close(
+                    simd,
+                    scalar,
+                    6.0 * 8.0 * x_sum,
+                    &format!("{name} mxfp4 n={n}"),
+                );
 
                 let int4_scales: Vec<u8> = (0..n / 32)
                     .flat_map(|g| half::f16::from_f32(0.01 * (g % 7 + 1) as f32).to_le_bytes())
                     .collect();
                 let simd = packed(int4_dot(kernels), &blocks, &int4_scales, &x);
                 let scalar = dot_int4_scalar(&blocks, &int4_scales, &x);
-                close(simd, scalar, 8.0 * 0.07 * x_sum, &format!("{name} int4 n={n}"));
+                close(
+                    simd,
+                    scalar,
+                    8.0 * 0.07 * x_sum,
+                    &format!("{name} int4 n={n}"),
+                );
 
                 let q8_values: Vec<u8> = (0..n).map(|i| (i * 89 + 3) as u8).collect();
                 let mut simd = [0f32];
                 q8_dot_each(kernels)(&q8_values, &int4_scales, &[&x], &mut simd);
                 let scalar = crate::cpu::q8::dot_q8_scalar(&q8_values, &int4_scales, &x);
-                close(simd[0], scalar, 128.0 * 0.07 * x_sum, &format!("{name} q8 n={n}"));
+                close(
+                    simd[0],
+                    scalar,
+                    128.0 * 0.07 * x_sum,
+                    &format!("{name} q8 n={n}"),
+                );
             }
             // The same values stored as f32 or f16 sum in the same order: bit-identical.
             for n in [40, 2880] {

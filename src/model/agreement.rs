@@ -34,7 +34,12 @@ fn argmax(logits: &[f32]) -> u32 {
 
 /// Compares `other` with `exact` (the same checkpoint loaded two ways) over `steps` steps after
 /// `prompt`, one token at a time after the prompt.
-pub fn top1_agreement(exact: &Model, other: &Model, prompt: &[u32], steps: usize) -> Result<Agreement> {
+pub fn top1_agreement(
+    exact: &Model,
+    other: &Model,
+    prompt: &[u32],
+    steps: usize,
+) -> Result<Agreement> {
     let context = prompt.len() + steps;
     validate_prompt(&exact.config, prompt, context)?;
     let mut exact_cache = exact.new_cache(context);
