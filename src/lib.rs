@@ -11,6 +11,7 @@
 //! - [`synth`]: random checkpoints in the real layout, for benchmarks.
 
 pub mod bench;
+pub mod chat;
 pub mod config;
 pub mod cpu;
 pub mod error;

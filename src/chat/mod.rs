@@ -1,0 +1,4 @@
+//! Chat: the o200k_harmony tokenizer and the Harmony format GPT-OSS is trained on.
+
+pub mod harmony;
+pub mod tokenizer;
