@@ -64,8 +64,19 @@ struct PromptArgs {
     #[arg(long)]
     model: PathBuf,
     /// Prompt token ids, comma-separated (e.g. 1,2,3).
-    #[arg(long, value_delimiter = ',', required = true, num_args = 1..)]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        num_args = 1..,
+        required_unless_present = "prompt",
+        conflicts_with = "prompt"
+    )]
     ids: Vec<u32>,
+    /// The prompt as text instead of ids, encoded with o200k_harmony; special-token names in it
+    /// (`<|start|>`, `<|message|>`, ...) become those tokens, so a Harmony prompt can be written
+    /// out.
+    #[arg(long, value_name = "TEXT")]
+    prompt: Option<String>,
     /// Most tokens to generate.
     #[arg(long, default_value_t = 32)]
     max_new_tokens: usize,
@@ -123,6 +134,15 @@ enum OnOff {
 }
 
 impl PromptArgs {
+    /// The prompt's ids: `--ids`, or `--prompt` encoded.
+    fn prompt_ids(&self) -> Vec<u32> {
+        match &self.prompt {
+            Some(text) => picchio::chat::tokenizer::Tokenizer::o200k_harmony()
+                .encode_with_special_tokens(text),
+            None => self.ids.clone(),
+        }
+    }
+
     /// The GPU tier's options for a `context`-position run reporting `top_logits` logits.
     fn gpu_options(&self, context: usize, top_logits: usize) -> GpuTierOptions {
         GpuTierOptions {
@@ -196,6 +216,18 @@ enum Command {
         /// Close a shard before it passes this many bytes (the published files use 4.8 GB).
         #[arg(long, default_value_t = picchio::synth::DEFAULT_SHARD_BYTES)]
         shard_bytes: u64,
+    },
+    /// Encode text into o200k_harmony token ids (or, with --decode, ids into text).
+    Tokenize {
+        /// The text to encode; special-token names become their tokens unless --no-special.
+        #[arg(long, required_unless_present = "decode", conflicts_with = "decode")]
+        text: Option<String>,
+        /// Encode special-token names as plain text.
+        #[arg(long)]
+        no_special: bool,
+        /// Ids to decode, comma-separated.
+        #[arg(long, value_delimiter = ',', num_args = 1..)]
+        decode: Vec<u32>,
     },
     /// Top-1 agreement of a faster numeric mode (--dense-format q8) with the exact path,
     /// teacher-forced over the exact path's greedy tokens (CPU tier).
@@ -322,7 +354,8 @@ fn run(cli: Cli) -> Result<()> {
             ignore_eos,
         } => {
             let loaded = prompt.load()?;
-            let (model, ids, max_new_tokens) = (&prompt.model, &prompt.ids, prompt.max_new_tokens);
+            let prompt_ids = prompt.prompt_ids();
+            let (model, ids, max_new_tokens) = (&prompt.model, &prompt_ids, prompt.max_new_tokens);
             let context = resolve_context(&loaded, prompt.context)?;
             log::info!(
                 "{}: {} layers, {} experts (top {})",
@@ -374,6 +407,8 @@ fn run(cli: Cli) -> Result<()> {
                     "prefill_ms": out.prefill_ms,
                     "decode_tokens_per_s": out.decode_tokens_per_s(),
                     "stop_reason": format!("{:?}", out.stop).to_lowercase(),
+                    // The generated text, for models with the o200k_harmony vocabulary.
+                    "text": harmony_text(&loaded.config, &out.generated_ids),
                 });
                 if stats {
                     let gpu = match (adapter, marks.as_slice()) {
@@ -488,6 +523,26 @@ fn run(cli: Cli) -> Result<()> {
             };
             bench(&options, json, csv, plot)
         }
+        Command::Tokenize {
+            text,
+            no_special,
+            decode,
+        } => {
+            let tokenizer = picchio::chat::tokenizer::Tokenizer::o200k_harmony();
+            match text {
+                Some(text) => {
+                    let ids = if no_special {
+                        tokenizer.encode(&text)
+                    } else {
+                        tokenizer.encode_with_special_tokens(&text)
+                    };
+                    let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
+                    println!("{}", ids.join(" "));
+                }
+                None => print!("{}", tokenizer.decode_lossy(&decode)?),
+            }
+            Ok(())
+        }
         Command::Agree { prompt, json } => {
             if prompt.dense_format == picchio::cpu::q8::DenseFormat::Checkpoint {
                 bail!("agree compares a faster mode with the exact path: pass --dense-format q8");
@@ -504,7 +559,7 @@ fn run(cli: Cli) -> Result<()> {
             let report = picchio::model::agreement::top1_agreement(
                 &exact,
                 &other,
-                &prompt.ids,
+                &prompt.prompt_ids(),
                 prompt.max_new_tokens,
             )?;
             if json {
@@ -538,6 +593,18 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// `ids` as text when the model's vocabulary is o200k_harmony's (null otherwise, or when they
+/// do not decode).
+fn harmony_text(config: &picchio::config::Config, ids: &[u32]) -> Option<String> {
+    (config.vocab_size >= picchio::chat::tokenizer::HARMONY_VOCAB_SIZE)
+        .then(|| {
+            picchio::chat::tokenizer::Tokenizer::o200k_harmony()
+                .decode_lossy(ids)
+                .ok()
+        })
+        .flatten()
+}
+
 fn resolve_context(model: &Model, context: Option<usize>) -> Result<usize> {
     let context = context.unwrap_or(model.config.max_position_embeddings);
     if context == 0 {
@@ -552,7 +619,7 @@ fn ab(prompt: &PromptArgs, json: bool) -> Result<()> {
     let context = resolve_context(&model, prompt.context)?;
     let report = picchio::model::ab::compare_tiers(
         &model,
-        &prompt.ids,
+        &prompt.prompt_ids(),
         prompt.max_new_tokens,
         &prompt.gpu_options(context, 0),
     )?;

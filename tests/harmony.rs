@@ -43,3 +43,58 @@ fn special_token_ids_match_the_official_encoding() {
         assert_eq!(fixture["special_tokens"][name], id, "{name}");
     }
 }
+
+#[test]
+fn tokenize_command_encodes_and_decodes() {
+    let fixture = fixture();
+    let c = &fixture["conversations"][0];
+    let text = c["text"].as_str().unwrap();
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_picchio"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let ids: Vec<u32> = run(&["tokenize", "--text", text])
+        .split_whitespace()
+        .map(|w| w.parse().unwrap())
+        .collect();
+    let want: Vec<u32> = serde_json::from_value(c["ids"].clone()).unwrap();
+    assert_eq!(ids, want);
+    let joined: Vec<String> = want.iter().map(u32::to_string).collect();
+    assert_eq!(run(&["tokenize", "--decode", &joined.join(",")]), text);
+    // --no-special: the names are plain text.
+    assert!(
+        run(&["tokenize", "--text", "<|end|>", "--no-special"])
+            .split_whitespace()
+            .count()
+            > 1
+    );
+}
+
+#[test]
+fn text_prompts_out_of_a_small_vocabulary_are_clear_errors() {
+    let dir = common::fixtures_dir().join("tiny-single");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_picchio"))
+        .args([
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt",
+            "hello",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && out.stdout.is_empty());
+    assert!(
+        stderr.contains("out of range") && stderr.contains("vocab_size is 256"),
+        "{stderr}"
+    );
+}

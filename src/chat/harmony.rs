@@ -12,7 +12,8 @@ use serde::{Deserialize, Serialize};
 use super::tokenizer::{CALL, CHANNEL, END, MESSAGE, START, Tokenizer};
 
 /// The model identity openai-harmony's system message has by default.
-pub const DEFAULT_MODEL_IDENTITY: &str = "You are ChatGPT, a large language model trained by OpenAI.";
+pub const DEFAULT_MODEL_IDENTITY: &str =
+    "You are ChatGPT, a large language model trained by OpenAI.";
 /// The knowledge cutoff openai-harmony's system message has by default.
 pub const DEFAULT_KNOWLEDGE_CUTOFF: &str = "2024-06";
 /// The channels an assistant message may use.
@@ -320,7 +321,10 @@ impl Conversation {
                 },
                 Role::Tool => {
                     let name = m.name.as_deref().unwrap_or("functions");
-                    format!("{name} to={}", m.recipient.as_deref().unwrap_or("assistant"))
+                    format!(
+                        "{name} to={}",
+                        m.recipient.as_deref().unwrap_or("assistant")
+                    )
                 }
             };
             out.message(&header, m.channel.as_deref(), m.content_type.as_deref());

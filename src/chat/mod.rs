@@ -1,4 +1,5 @@
 //! Chat: the o200k_harmony tokenizer and the Harmony format GPT-OSS is trained on.
 
 pub mod harmony;
+pub mod parser;
 pub mod tokenizer;

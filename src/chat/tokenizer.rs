@@ -19,6 +19,9 @@ pub const CALL: u32 = 200012;
 pub const END_OF_TEXT: u32 = 199999;
 pub const START_OF_TEXT: u32 = 199998;
 
+/// Tokens in o200k_harmony: ordinary ones, then the specials up to 201087.
+pub const HARMONY_VOCAB_SIZE: usize = 201088;
+
 /// Every named special token and its id.
 pub const SPECIAL_TOKENS: [(&str, u32); 9] = [
     ("<|start|>", START),
