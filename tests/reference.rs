@@ -365,3 +365,46 @@ fn q8_dense_weights_mostly_agree_with_the_exact_path() {
     }
     eprintln!("q8 total: {agreeing} of {steps} steps agree");
 }
+
+#[test]
+fn multi_turn_prefix_reuse_gives_the_tokens_of_a_full_prefill() {
+    use picchio::model::sampler::{Sampler, SamplingOptions};
+    use picchio::model::session::{ChatSession, Finish};
+    for dir in fixture_dirs() {
+        let model = Model::load(&dir).unwrap();
+        let prompt = reference(&dir).prompt_ids;
+        let greedy = || Sampler::new(SamplingOptions::default());
+        // Turn 1, then turn 2 = turn 1's prompt with its second half changed (as a re-render
+        // that drops earlier analysis does), plus the reply and new tokens.
+        let mut session = ChatSession::new(&model, 256);
+        assert_eq!(session.feed(&prompt).unwrap(), 0);
+        let (reply, finish) = session.generate(6, &mut greedy(), &[], |_| true).unwrap();
+        assert_eq!(finish, Finish::MaxTokens);
+        assert_eq!(
+            session.position(),
+            prompt.len() + 6,
+            "every emitted token is fed back"
+        );
+        let cut = prompt.len() / 2;
+        let mut turn2: Vec<u32> = prompt[..cut].to_vec();
+        turn2.extend(reply.iter().map(|t| (t + 1) % 200));
+        turn2.extend([5, 6, 7]);
+        let reused = session.feed(&turn2).unwrap();
+        assert_eq!(reused, cut, "{}", dir.display());
+        let (again, _) = session.generate(6, &mut greedy(), &[], |_| true).unwrap();
+        // The same conversation computed from scratch.
+        let mut fresh = ChatSession::new(&model, 256);
+        fresh.feed(&turn2).unwrap();
+        let (want, _) = fresh.generate(6, &mut greedy(), &[], |_| true).unwrap();
+        assert_eq!(again, want, "{}", dir.display());
+        // Feeding exactly what is held recomputes only the last token.
+        let held = session.tokens().to_vec();
+        assert_eq!(session.feed(&held).unwrap(), held.len() - 1);
+        // A bad turn changes nothing.
+        let position = session.position();
+        assert!(session.extend(position + 1, &[1]).is_err());
+        assert!(session.extend(0, &[10_000]).is_err());
+        assert_eq!(session.position(), position);
+        assert_eq!(session.tokens(), &held[..]);
+    }
+}

@@ -35,6 +35,31 @@ impl KvCache {
         }
     }
 
+    /// A cache that keeps every position of every layer (sliding layers too, at the cost of
+    /// memory), so that it can be cut back to any earlier length (`truncate`): what a chat
+    /// session reusing a prefix needs.
+    pub fn keeping_all(cfg: &Config, context: usize) -> KvCache {
+        let mut cache = KvCache::new(cfg, context);
+        for layer in &mut cache.layers {
+            layer.ring = None;
+        }
+        cache
+    }
+
+    /// Forgets positions `len..`. False (and nothing changes) when a sliding layer's ring may
+    /// already have overwritten positions before `len` that its queries would see; a cache from
+    /// `keeping_all` can always be cut.
+    pub fn truncate(&mut self, len: usize) -> bool {
+        if len > self.len {
+            return false;
+        }
+        if len < self.len && self.layers.iter().any(|l| l.ring.is_some()) {
+            return false;
+        }
+        self.len = len;
+        true
+    }
+
     pub fn len(&self) -> usize {
         self.len
     }

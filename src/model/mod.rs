@@ -6,6 +6,7 @@ pub mod generate;
 pub mod gpu_tier;
 pub mod kv_cache;
 pub mod sampler;
+pub mod session;
 
 use std::path::Path;
 

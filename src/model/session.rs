@@ -1,0 +1,157 @@
+//! A conversation's state on the CPU tier: the tokens its KV cache holds, so that the next turn
+//! recomputes only what changed. Harmony's re-render of a conversation drops the analysis of
+//! finished turns, so a new turn's ids are not simply the old ones plus more: the session keeps
+//! their longest common prefix and computes the rest. Every emitted token is fed back, so the
+//! position always equals the cache's length.
+
+use super::sampler::Sampler;
+use super::{KvCache, Model};
+use crate::error::{Error, Result};
+
+/// Why a turn's generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum Finish {
+    /// A stop token (its id) was emitted.
+    Stop(u32),
+    /// `max_new` tokens were emitted.
+    MaxTokens,
+    /// The cache is full: no position is left for another token.
+    ContextFull,
+    /// The caller asked to stop (e.g. a client went away).
+    Cancelled,
+}
+
+pub struct ChatSession<'m> {
+    model: &'m Model,
+    cache: KvCache,
+    /// What the cache holds, position by position.
+    tokens: Vec<u32>,
+    /// The logits after the last token (None when the cache is empty).
+    logits: Option<Vec<f32>>,
+}
+
+impl<'m> ChatSession<'m> {
+    /// An empty session of at most `context` positions.
+    pub fn new(model: &'m Model, context: usize) -> ChatSession<'m> {
+        ChatSession {
+            model,
+            cache: KvCache::keeping_all(&model.config, context),
+            tokens: Vec::new(),
+            logits: None,
+        }
+    }
+
+    pub fn position(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn context(&self) -> usize {
+        self.cache.context()
+    }
+
+    pub fn tokens(&self) -> &[u32] {
+        &self.tokens
+    }
+
+    pub fn reset(&mut self) {
+        self.cache = KvCache::keeping_all(&self.model.config, self.cache.context());
+        self.tokens.clear();
+        self.logits = None;
+    }
+
+    /// Checks that keeping `keep` positions then feeding `ids` is possible, touching nothing.
+    pub fn check_extend(&self, keep: usize, ids: &[u32]) -> Result<()> {
+        if keep > self.position() {
+            return Err(Error::InvalidArgument(format!(
+                "keep {keep} is beyond the session's {} positions",
+                self.position()
+            )));
+        }
+        if ids.is_empty() {
+            // Only a continuation of everything held has logits to go on from.
+            if keep != self.position() || self.logits.is_none() {
+                return Err(Error::InvalidArgument(
+                    "no new tokens to compute logits from".into(),
+                ));
+            }
+            return Ok(());
+        }
+        super::generate::validate_tokens(&self.model.config, keep, ids, self.context())
+    }
+
+    /// Keeps the first `keep` positions, then computes `ids` after them.
+    pub fn extend(&mut self, keep: usize, ids: &[u32]) -> Result<()> {
+        self.check_extend(keep, ids)?;
+        if ids.is_empty() {
+            return Ok(()); // keep == position: the logits stand.
+        }
+        if !self.cache.truncate(keep) {
+            return Err(Error::InvalidArgument(format!(
+                "cannot cut the session back to {keep}"
+            )));
+        }
+        self.tokens.truncate(keep);
+        // On failure the session is empty rather than half-written.
+        match self.model.forward(&mut self.cache, ids, None) {
+            Ok(logits) => {
+                self.tokens.extend_from_slice(ids);
+                self.logits = Some(logits);
+                Ok(())
+            }
+            Err(e) => {
+                self.reset();
+                Err(e)
+            }
+        }
+    }
+
+    /// Feeds a whole conversation's ids: keeps their longest common prefix with what the cache
+    /// holds and computes the rest (at least the last token, for its logits). Returns how many
+    /// positions were reused.
+    pub fn feed(&mut self, ids: &[u32]) -> Result<usize> {
+        let common = self
+            .tokens
+            .iter()
+            .zip(ids)
+            .take_while(|(a, b)| a == b)
+            .count();
+        let keep = common.min(ids.len().saturating_sub(1));
+        self.extend(keep, &ids[keep..])?;
+        Ok(keep)
+    }
+
+    /// Samples up to `max_new` tokens, feeding each one back, and stops after a token in
+    /// `stops` (it is fed too), at `max_new`, when the cache is full, or when `emit` returns
+    /// false. Returns the emitted tokens and why it ended.
+    pub fn generate(
+        &mut self,
+        max_new: usize,
+        sampler: &mut Sampler,
+        stops: &[u32],
+        mut emit: impl FnMut(u32) -> bool,
+    ) -> Result<(Vec<u32>, Finish)> {
+        let mut out = Vec::new();
+        loop {
+            if out.len() >= max_new {
+                return Ok((out, Finish::MaxTokens));
+            }
+            if self.position() >= self.context() {
+                return Ok((out, Finish::ContextFull));
+            }
+            let Some(logits) = &self.logits else {
+                return Err(Error::InvalidArgument("nothing to continue from".into()));
+            };
+            let token = sampler.sample(logits, &self.tokens);
+            out.push(token);
+            let keep_going = emit(token);
+            let position = self.position();
+            self.extend(position, &[token])?;
+            if stops.contains(&token) {
+                return Ok((out, Finish::Stop(token)));
+            }
+            if !keep_going {
+                return Ok((out, Finish::Cancelled));
+            }
+        }
+    }
+}
