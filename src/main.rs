@@ -57,12 +57,65 @@ impl From<Backend> for BackendChoice {
     }
 }
 
-/// The model, the prompt and how far to go: shared by `generate` and `ab`.
+/// The model and how it is loaded: shared by every command that runs one.
 #[derive(clap::Args)]
-struct PromptArgs {
+struct ModelArgs {
     /// Checkpoint directory (config.json + safetensors, as Hugging Face ships it).
     #[arg(long)]
     model: PathBuf,
+    /// RAM for the CPU tier's expert cache: bytes (4G, 512M), N% of the model's expert bytes,
+    /// or auto (what the system has available, less dense weights and a reserve). 0 streams every
+    /// expert from disk.
+    #[arg(long, default_value = "auto", value_name = "BYTES|N%|auto")]
+    ram_budget: picchio::experts::RamBudget,
+    /// Read experts past the page cache (O_DIRECT; F_NOCACHE on macOS): a converted expert store
+    /// only (picchio convert).
+    #[arg(long)]
+    direct_io: bool,
+    /// While a layer runs, guess the next layer's experts with its router and start reading
+    /// them into the RAM cache (never changes tokens).
+    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    prefetch: OnOff,
+    /// What stands in for the next layer's MoE input: a (this layer's MoE input, earliest) or b
+    /// (this layer's output through the next layer's norm, later, more accurate). The GPU tier
+    /// uses a.
+    #[arg(long, default_value = "b", value_name = "a|b")]
+    prefetch_proxy: picchio::model::PrefetchProxy,
+    /// How the CPU tier holds the dense weights: checkpoint (as stored, exact) or q8 (8 bits per
+    /// weight with a scale per 32: faster decode, not exact; CPU tier only).
+    #[arg(long, default_value = "checkpoint", value_name = "checkpoint|q8")]
+    dense_format: picchio::cpu::q8::DenseFormat,
+    /// Where the weights a token reads live: auto (copied into memory, on huge pages, when every
+    /// expert fits the RAM budget and the memory; else mapped), on (mapped from the checkpoint),
+    /// off (always copied).
+    #[arg(long, default_value = "auto", value_name = "auto|on|off")]
+    mmap: picchio::model::MmapMode,
+}
+
+impl ModelArgs {
+    fn load(&self) -> Result<Model> {
+        let options = picchio::model::ModelOptions {
+            ram_budget: self.ram_budget,
+            hot_experts: true,
+            direct_io: self.direct_io,
+            prefetch: picchio::model::PrefetchOptions {
+                enabled: self.prefetch == OnOff::On,
+                proxy: self.prefetch_proxy,
+            },
+            dense_format: self.dense_format,
+            mmap: self.mmap,
+            ..Default::default()
+        };
+        // Load errors name the file and tensor already.
+        Ok(Model::load_with(&self.model, &options)?)
+    }
+}
+
+/// The model, the prompt and how far to go: shared by `generate` and `ab`.
+#[derive(clap::Args)]
+struct PromptArgs {
+    #[command(flatten)]
+    model: ModelArgs,
     /// Prompt token ids, comma-separated (e.g. 1,2,3).
     #[arg(
         long,
@@ -84,11 +137,6 @@ struct PromptArgs {
     /// max_position_embeddings.
     #[arg(long, value_name = "N")]
     context: Option<usize>,
-    /// RAM for the CPU tier's expert cache: bytes (4G, 512M), N% of the model's expert bytes,
-    /// or auto (what the system has available, less dense weights and a reserve). 0 streams every
-    /// expert from disk.
-    #[arg(long, default_value = "auto", value_name = "BYTES|N%|auto")]
-    ram_budget: picchio::experts::RamBudget,
     /// GPU memory for the GPU tier's expert cache: bytes, N% of the model's expert bytes, or
     /// auto (every expert if the adapter takes them, else as many as it does). 0 keeps no expert
     /// in VRAM: the GPU runs attention and the CPU tier every expert.
@@ -99,32 +147,10 @@ struct PromptArgs {
     /// cpu (compute on the CPU unless a slot is free).
     #[arg(long, default_value = "auto", value_name = "auto|upload|cpu")]
     miss_policy: picchio::model::gpu_tier::MissPolicy,
-    /// Read experts past the page cache (O_DIRECT; F_NOCACHE on macOS): a converted expert store
-    /// only (picchio convert).
-    #[arg(long)]
-    direct_io: bool,
     /// Decoder layers the GPU runs (the first N; the CPU tier runs the rest and the head).
     /// Default: as many as the dense weights fit in GPU memory.
     #[arg(long, value_name = "N")]
     gpu_layers: Option<usize>,
-    /// While a layer runs, guess the next layer's experts with its router and start reading
-    /// them into the RAM cache (never changes tokens).
-    #[arg(long, value_enum, default_value_t = OnOff::Off)]
-    prefetch: OnOff,
-    /// What stands in for the next layer's MoE input: a (this layer's MoE input, earliest) or b
-    /// (this layer's output through the next layer's norm, later, more accurate). The GPU tier
-    /// uses a.
-    #[arg(long, default_value = "b", value_name = "a|b")]
-    prefetch_proxy: picchio::model::PrefetchProxy,
-    /// How the CPU tier holds the dense weights: checkpoint (as stored, exact) or q8 (8 bits per
-    /// weight with a scale per 32: faster decode, not exact; CPU tier only).
-    #[arg(long, default_value = "checkpoint", value_name = "checkpoint|q8")]
-    dense_format: picchio::cpu::q8::DenseFormat,
-    /// Where the weights a token reads live: auto (copied into memory, on huge pages, when every
-    /// expert fits the RAM budget and the memory; else mapped), on (mapped from the checkpoint),
-    /// off (always copied).
-    #[arg(long, default_value = "auto", value_name = "auto|on|off")]
-    mmap: picchio::model::MmapMode,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -156,20 +182,7 @@ impl PromptArgs {
     }
 
     fn load(&self) -> Result<Model> {
-        let options = picchio::model::ModelOptions {
-            ram_budget: self.ram_budget,
-            hot_experts: true,
-            direct_io: self.direct_io,
-            prefetch: picchio::model::PrefetchOptions {
-                enabled: self.prefetch == OnOff::On,
-                proxy: self.prefetch_proxy,
-            },
-            dense_format: self.dense_format,
-            mmap: self.mmap,
-            ..Default::default()
-        };
-        // Load errors name the file and tensor already.
-        Ok(Model::load_with(&self.model, &options)?)
+        self.model.load()
     }
 }
 
@@ -216,6 +229,22 @@ enum Command {
         /// Close a shard before it passes this many bytes (the published files use 4.8 GB).
         #[arg(long, default_value_t = picchio::synth::DEFAULT_SHARD_BYTES)]
         shard_bytes: u64,
+    },
+    /// Serve the model: `--stdio` speaks a line protocol on stdin/stdout (the HTTP server is
+    /// not built yet).
+    Serve {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Speak the line protocol on stdin/stdout (see the README).
+        #[arg(long)]
+        stdio: bool,
+        /// Most positions a session holds (default: 4096, at most the model's
+        /// max_position_embeddings).
+        #[arg(long, value_name = "N")]
+        context: Option<usize>,
+        /// Seed of the sampling (each turn adds its number).
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
     },
     /// Encode text into o200k_harmony token ids (or, with --decode, ids into text).
     Tokenize {
@@ -355,7 +384,8 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             let loaded = prompt.load()?;
             let prompt_ids = prompt.prompt_ids();
-            let (model, ids, max_new_tokens) = (&prompt.model, &prompt_ids, prompt.max_new_tokens);
+            let (model, ids, max_new_tokens) =
+                (&prompt.model.model, &prompt_ids, prompt.max_new_tokens);
             let context = resolve_context(&loaded, prompt.context)?;
             log::info!(
                 "{}: {} layers, {} experts (top {})",
@@ -523,6 +553,32 @@ fn run(cli: Cli) -> Result<()> {
             };
             bench(&options, json, csv, plot)
         }
+        Command::Serve {
+            model,
+            stdio,
+            context,
+            seed,
+        } => {
+            if !stdio {
+                bail!(
+                    "the HTTP server is not built yet: `picchio serve --stdio` speaks the line protocol"
+                );
+            }
+            let loaded = model.load()?;
+            let context = match context {
+                Some(0) => bail!("--context must be at least 1"),
+                Some(n) => n,
+                None => 4096.min(loaded.config.max_position_embeddings),
+            };
+            picchio::chat::stdio::serve(
+                &loaded,
+                context,
+                seed,
+                std::io::stdin().lock(),
+                std::io::stdout().lock(),
+            )?;
+            Ok(())
+        }
         Command::Tokenize {
             text,
             no_special,
@@ -544,15 +600,15 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Agree { prompt, json } => {
-            if prompt.dense_format == picchio::cpu::q8::DenseFormat::Checkpoint {
+            if prompt.model.dense_format == picchio::cpu::q8::DenseFormat::Checkpoint {
                 bail!("agree compares a faster mode with the exact path: pass --dense-format q8");
             }
             let other = prompt.load()?;
             let exact = Model::load_with(
-                &prompt.model,
+                &prompt.model.model,
                 &picchio::model::ModelOptions {
-                    ram_budget: prompt.ram_budget,
-                    mmap: prompt.mmap,
+                    ram_budget: prompt.model.ram_budget,
+                    mmap: prompt.model.mmap,
                     ..Default::default()
                 },
             )?;

@@ -2,4 +2,5 @@
 
 pub mod harmony;
 pub mod parser;
+pub mod stdio;
 pub mod tokenizer;

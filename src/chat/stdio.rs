@@ -1,0 +1,175 @@
+//! `picchio serve --stdio`: a line protocol for embedding picchio in another program, one
+//! session per process. The client renders conversations itself (ids in, ids out):
+//!
+//! - picchio starts with `READY <context> <vocab_size> <stop ids...>`;
+//! - `TURN <max_new> <keep> <temperature> <top_p> <top_k> <n_ids> <ids...>` keeps the first
+//!   `keep` positions of the session, computes the `n_ids` ids after them, and generates: one
+//!   `TOKEN <id>` line per token, then `DONE <RETURN|CALL|MAX_TOKENS|CONTEXT_FULL> <n_output>
+//!   <position>`. Every emitted token is fed back, so `position` = `keep` + `n_ids` +
+//!   `n_output` and the next turn can keep all of it;
+//! - `RESET` empties the session; `SHUTDOWN` (or the end of input) ends the process;
+//! - a bad line gets `ERROR <code> <fatal 0|1> <message>`, checked before the session is
+//!   touched: a non-fatal error leaves it as it was. Codes: 400 malformed or out of range, 413
+//!   longer than the context, 500 the model failed (fatal: the process ends).
+
+use std::io::{BufRead, Write};
+
+use super::tokenizer::{CALL, HARMONY_VOCAB_SIZE, RETURN};
+use crate::error::{Error, Result};
+use crate::model::Model;
+use crate::model::sampler::{Sampler, SamplingOptions};
+use crate::model::session::{ChatSession, Finish};
+
+/// The tokens that end a turn: the model's EOS ids, and for a Harmony vocabulary `<|return|>` and
+/// `<|call|>`.
+pub fn stop_ids(model: &Model) -> Vec<u32> {
+    let mut stops = model.config.eos_token_ids.clone();
+    if model.config.vocab_size >= HARMONY_VOCAB_SIZE {
+        stops.extend([RETURN, CALL]);
+    }
+    stops.sort_unstable();
+    stops.dedup();
+    stops
+}
+
+/// A parsed `TURN` line.
+struct Turn {
+    max_new: usize,
+    keep: usize,
+    sampling: SamplingOptions,
+    ids: Vec<u32>,
+}
+
+fn parse_turn(words: &[&str], seed: u64) -> std::result::Result<Turn, String> {
+    let number = |i: usize, what: &str| -> std::result::Result<&str, String> {
+        words
+            .get(i)
+            .copied()
+            .ok_or_else(|| format!("TURN needs {what} (field {i})"))
+    };
+    let int = |i: usize, what: &str| -> std::result::Result<usize, String> {
+        let w = number(i, what)?;
+        w.parse()
+            .map_err(|_| format!("{what} must be a whole number, not {w:?}"))
+    };
+    let float = |i: usize, what: &str| -> std::result::Result<f32, String> {
+        let w = number(i, what)?;
+        w.parse()
+            .map_err(|_| format!("{what} must be a number, not {w:?}"))
+    };
+    let max_new = int(0, "max_new")?;
+    let keep = int(1, "keep")?;
+    let sampling = SamplingOptions {
+        temperature: float(2, "temperature")?,
+        top_p: float(3, "top_p")?,
+        top_k: int(4, "top_k")?,
+        seed,
+        ..Default::default()
+    };
+    sampling.check()?;
+    let n = int(5, "n_ids")?;
+    let ids = &words[6.min(words.len())..];
+    if ids.len() != n {
+        return Err(format!("n_ids is {n} but {} ids follow", ids.len()));
+    }
+    let ids = ids
+        .iter()
+        .map(|w| {
+            w.parse()
+                .map_err(|_| format!("token id {w:?} is not a whole number"))
+        })
+        .collect::<std::result::Result<Vec<u32>, String>>()?;
+    Ok(Turn {
+        max_new,
+        keep,
+        sampling,
+        ids,
+    })
+}
+
+/// Writes one protocol line and flushes it (the client waits for it).
+fn send(output: &mut impl Write, line: &str) -> Result<()> {
+    writeln!(output, "{line}")
+        .and_then(|()| output.flush())
+        .map_err(|e| Error::io("the stdio protocol's output", e))
+}
+
+/// Serves the protocol on `input`/`output` until `SHUTDOWN`, the end of input or a fatal error
+/// (returned after its `ERROR` line). `seed` seeds each turn's sampling (plus the turn's number).
+pub fn serve(
+    model: &Model,
+    context: usize,
+    seed: u64,
+    input: impl BufRead,
+    mut output: impl Write,
+) -> Result<()> {
+    let io = |e: std::io::Error| Error::io("the stdio protocol's output", e);
+    let mut session = ChatSession::new(model, context);
+    let stops = stop_ids(model);
+    let stop_list: Vec<String> = stops.iter().map(u32::to_string).collect();
+    let ready = format!(
+        "READY {context} {} {}",
+        model.config.vocab_size,
+        stop_list.join(" ")
+    );
+    send(&mut output, ready.trim_end())?;
+    let mut turns = 0u64;
+    for line in input.lines() {
+        let line = line.map_err(|e| Error::io("the stdio protocol's input", e))?;
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.first().copied() {
+            None => continue,
+            Some("SHUTDOWN") => break,
+            Some("RESET") => session.reset(),
+            Some("TURN") => {
+                let turn = match parse_turn(&words[1..], seed.wrapping_add(turns)) {
+                    Ok(turn) => turn,
+                    Err(message) => {
+                        send(&mut output, &format!("ERROR 400 0 {message}"))?;
+                        continue;
+                    }
+                };
+                if let Err(e) = session.check_extend(turn.keep, &turn.ids) {
+                    let code = if e.to_string().contains("context") {
+                        413
+                    } else {
+                        400
+                    };
+                    send(&mut output, &format!("ERROR {code} 0 {e}"))?;
+                    continue;
+                }
+                turns += 1;
+                let mut sampler = Sampler::new(turn.sampling);
+                let mut written = Ok(());
+                let result = session.extend(turn.keep, &turn.ids).and_then(|()| {
+                    session.generate(turn.max_new, &mut sampler, &stops, |token| {
+                        written = writeln!(output, "TOKEN {token}").and_then(|()| output.flush());
+                        written.is_ok()
+                    })
+                });
+                written.map_err(io)?;
+                match result {
+                    Ok((tokens, finish)) => {
+                        let reason = match finish {
+                            Finish::Stop(CALL) => "CALL",
+                            Finish::Stop(_) => "RETURN",
+                            Finish::MaxTokens | Finish::Cancelled => "MAX_TOKENS",
+                            Finish::ContextFull => "CONTEXT_FULL",
+                        };
+                        let done = format!("DONE {reason} {} {}", tokens.len(), session.position());
+                        send(&mut output, &done)?;
+                    }
+                    Err(e) => {
+                        send(&mut output, &format!("ERROR 500 1 {e}"))?;
+                        return Err(e);
+                    }
+                }
+            }
+            Some(other) => send(
+                &mut output,
+                &format!("ERROR 400 0 unknown command {other:?}"),
+            )?,
+        }
+    }
+    Ok(())
+}

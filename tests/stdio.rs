@@ -1,0 +1,121 @@
+//! `picchio serve --stdio`: the line protocol, end to end through the binary.
+
+mod common;
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+/// Runs a protocol session with `lines` on stdin and returns stdout's lines.
+fn session(lines: &[String]) -> Vec<String> {
+    let dir = common::fixtures_dir().join("tiny-routed");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_picchio"))
+        .args(["serve", "--stdio", "--model", dir.to_str().unwrap()])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    for line in lines {
+        writeln!(stdin, "{line}").unwrap();
+    }
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+fn turn(max_new: usize, keep: usize, ids: &[u32]) -> String {
+    let ids: Vec<String> = ids.iter().map(u32::to_string).collect();
+    format!(
+        "TURN {max_new} {keep} 0 1 0 {} {}",
+        ids.len(),
+        ids.join(" ")
+    )
+}
+
+fn tokens(lines: &[String]) -> Vec<u32> {
+    lines
+        .iter()
+        .filter_map(|l| l.strip_prefix("TOKEN ")?.parse().ok())
+        .collect()
+}
+
+#[test]
+fn two_turns_reuse_the_prefix_and_a_bad_keep_changes_nothing() {
+    let prompt = [3u32, 14, 15, 92, 65];
+    // First process: turn 1, a bad turn, then turn 2 keeping everything turn 1 left.
+    let first = session(&[turn(4, 0, &prompt)]);
+    assert!(first[0].starts_with("READY 4096 256"), "{first:?}");
+    let reply = tokens(&first);
+    assert_eq!(reply.len(), 4);
+    assert_eq!(first.last().unwrap(), "DONE MAX_TOKENS 4 9");
+
+    let position = prompt.len() + reply.len();
+    let out = session(&[
+        turn(4, 0, &prompt),
+        turn(2, position + 1, &[1]),
+        "TURN 2 0 0 1 0 3 1 2".to_string(),
+        turn(2, 0, &[999]),
+        "TURN 2 0 0 7 0 1 1".to_string(),
+        turn(3, position, &[7, 8]),
+        "SHUTDOWN".to_string(),
+        turn(3, 0, &[1]),
+    ]);
+    let errors: Vec<&String> = out.iter().filter(|l| l.starts_with("ERROR")).collect();
+    assert_eq!(errors.len(), 4, "{out:?}");
+    assert!(
+        errors[0].starts_with("ERROR 400 0 ") && errors[0].contains("keep 10"),
+        "{}",
+        errors[0]
+    );
+    assert!(
+        errors[1].contains("n_ids is 3 but 2 ids follow"),
+        "{}",
+        errors[1]
+    );
+    assert!(errors[2].contains("out of range"), "{}", errors[2]);
+    assert!(errors[3].contains("top_p"), "{}", errors[3]);
+    // Turn 2 reused all 9 positions: 9 + 2 new ids + 3 generated.
+    assert_eq!(out.last().unwrap(), "DONE MAX_TOKENS 3 14", "{out:?}");
+    let continued = tokens(&out)[4..].to_vec();
+
+    // The same conversation from scratch gives the same tokens.
+    let mut whole = prompt.to_vec();
+    whole.extend(&reply);
+    whole.extend([7, 8]);
+    let fresh = session(&[turn(3, 0, &whole)]);
+    assert_eq!(tokens(&fresh), continued);
+    assert_eq!(fresh.last().unwrap(), "DONE MAX_TOKENS 3 14");
+}
+
+#[test]
+fn reset_empties_the_session_and_sampling_is_seeded() {
+    let sampled = "TURN 6 0 0.9 0.95 20 3 1 2 3".to_string();
+    let out = session(&[sampled.clone(), "RESET".into(), sampled.clone()]);
+    let done: Vec<&String> = out.iter().filter(|l| l.starts_with("DONE")).collect();
+    assert_eq!(done, ["DONE MAX_TOKENS 6 9", "DONE MAX_TOKENS 6 9"]);
+    // Same seed and turn number in a new process: the same tokens.
+    let again = session(&[sampled]);
+    assert_eq!(tokens(&again), tokens(&out)[..6]);
+}
+
+#[test]
+fn serve_without_stdio_says_the_http_server_is_absent() {
+    let dir = common::fixtures_dir().join("tiny-single");
+    let out = Command::new(env!("CARGO_BIN_EXE_picchio"))
+        .args(["serve", "--model", dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && out.stdout.is_empty());
+    assert!(stderr.contains("HTTP server is not built yet"), "{stderr}");
+}
