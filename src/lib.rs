@@ -19,6 +19,7 @@ pub mod experts;
 pub mod flat_store;
 pub mod gpu;
 pub mod model;
+pub mod serve;
 pub mod synth;
 pub mod weights;
 

@@ -45,6 +45,8 @@ enum ShapeArg {
     #[value(name = "gpt-oss-120b")]
     GptOss120b,
     Tiny,
+    #[value(name = "tiny-harmony")]
+    TinyHarmony,
 }
 
 impl From<Backend> for BackendChoice {
@@ -230,14 +232,23 @@ enum Command {
         #[arg(long, default_value_t = picchio::synth::DEFAULT_SHARD_BYTES)]
         shard_bytes: u64,
     },
-    /// Serve the model: `--stdio` speaks a line protocol on stdin/stdout (the HTTP server is
-    /// not built yet).
+    /// Serve the model over OpenAI-compatible HTTP (or, with --stdio, a line protocol on
+    /// stdin/stdout).
     Serve {
         #[command(flatten)]
         model: ModelArgs,
-        /// Speak the line protocol on stdin/stdout (see the README).
+        /// Speak the line protocol on stdin/stdout instead of HTTP (see the README).
         #[arg(long)]
         stdio: bool,
+        /// Address to listen on.
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        /// Port to listen on (0: any free port; the address is printed on stderr).
+        #[arg(long, default_value_t = 8080)]
+        port: u16,
+        /// The model's name in the API (default: the model directory's name).
+        #[arg(long)]
+        name: Option<String>,
         /// Most positions a session holds (default: 4096, at most the model's
         /// max_position_embeddings).
         #[arg(long, value_name = "N")]
@@ -556,27 +567,39 @@ fn run(cli: Cli) -> Result<()> {
         Command::Serve {
             model,
             stdio,
+            host,
+            port,
+            name,
             context,
             seed,
         } => {
-            if !stdio {
-                bail!(
-                    "the HTTP server is not built yet: `picchio serve --stdio` speaks the line protocol"
-                );
-            }
             let loaded = model.load()?;
             let context = match context {
                 Some(0) => bail!("--context must be at least 1"),
                 Some(n) => n,
                 None => 4096.min(loaded.config.max_position_embeddings),
             };
-            picchio::chat::stdio::serve(
-                &loaded,
-                context,
-                seed,
-                std::io::stdin().lock(),
-                std::io::stdout().lock(),
-            )?;
+            if stdio {
+                picchio::chat::stdio::serve(
+                    &loaded,
+                    context,
+                    seed,
+                    std::io::stdin().lock(),
+                    std::io::stdout().lock(),
+                )?;
+                return Ok(());
+            }
+            let name = name.unwrap_or_else(|| {
+                model
+                    .model
+                    .canonicalize()
+                    .ok()
+                    .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                    .unwrap_or_else(|| "picchio".into())
+            });
+            picchio::serve::serve(loaded, name, context, &host, port, |address| {
+                eprintln!("picchio: listening on http://{address}");
+            })?;
             Ok(())
         }
         Command::Tokenize {
@@ -845,6 +868,7 @@ fn synth(shape: ShapeArg, out: PathBuf, seed: u64, shard_bytes: u64) -> Result<(
         ShapeArg::GptOss20b => SynthShape::GptOss20b,
         ShapeArg::GptOss120b => SynthShape::GptOss120b,
         ShapeArg::Tiny => SynthShape::Tiny,
+        ShapeArg::TinyHarmony => SynthShape::TinyHarmony,
     };
     if shard_bytes == 0 {
         bail!("--shard-bytes must be positive");

@@ -22,6 +22,9 @@ pub enum SynthShape {
     GptOss120b,
     /// A tiny model with the real config keys, for tests.
     Tiny,
+    /// The tiny model with o200k_harmony's vocabulary (201088 tokens, EOS `<|return|>`): what
+    /// chat and serving tests run on (about 52 MB, so made by the tests, not committed).
+    TinyHarmony,
 }
 
 impl SynthShape {
@@ -31,6 +34,7 @@ impl SynthShape {
             SynthShape::GptOss20b => include_str!("../fixtures/configs/gpt-oss-20b.config.json"),
             SynthShape::GptOss120b => include_str!("../fixtures/configs/gpt-oss-120b.config.json"),
             SynthShape::Tiny => include_str!("../fixtures/tiny-single/config.json"),
+            SynthShape::TinyHarmony => include_str!("../fixtures/configs/tiny-harmony.config.json"),
         }
     }
 }

@@ -107,15 +107,3 @@ fn reset_empties_the_session_and_sampling_is_seeded() {
     let again = session(&[sampled]);
     assert_eq!(tokens(&again), tokens(&out)[..6]);
 }
-
-#[test]
-fn serve_without_stdio_says_the_http_server_is_absent() {
-    let dir = common::fixtures_dir().join("tiny-single");
-    let out = Command::new(env!("CARGO_BIN_EXE_picchio"))
-        .args(["serve", "--model", dir.to_str().unwrap()])
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && out.stdout.is_empty());
-    assert!(stderr.contains("HTTP server is not built yet"), "{stderr}");
-}

@@ -170,6 +170,16 @@ impl StreamParser {
         matches!(self.state, State::Content).then_some(&self.current)
     }
 
+    /// The header text read since the last message began, if the output stopped inside a
+    /// header: for output that does not follow Harmony at all (no `<|message|>`), its text.
+    pub fn unfinished_header(&self) -> Option<&str> {
+        matches!(self.state, State::Header).then(|| {
+            self.header
+                .strip_prefix("assistant")
+                .unwrap_or(&self.header)
+        })
+    }
+
     pub fn stop(&self) -> Option<Stop> {
         self.stop
     }

@@ -1,0 +1,842 @@
+//! `picchio serve`: an OpenAI-compatible HTTP server (axum on tokio).
+//!
+//! One worker thread owns the model and one chat session; requests queue for it in arrival
+//! order, and each new conversation reuses the longest prefix of the previous one's KV cache
+//! (a client continuing its conversation recomputes only the new turn). A client that goes away
+//! stops its generation at the next token.
+//!
+//! Routes: `POST /v1/chat/completions` (Harmony rendering, tools, streaming), `POST
+//! /v1/completions` (raw text), `GET /v1/models`, `GET /health`. Errors are OpenAI-style JSON
+//! bodies with a 4xx status; nothing a client sends can crash the server or corrupt the session
+//! (requests are checked before the session is touched).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Json, State};
+use axum::http::StatusCode;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use crate::chat::harmony::{
+    ChatMessage, Conversation, DeveloperSettings, FunctionTool, ReasoningEffort, Role,
+    SystemSettings,
+};
+use crate::chat::parser::{Event, StreamParser};
+use crate::chat::tokenizer::{CALL, HARMONY_VOCAB_SIZE, RETURN, Tokenizer};
+use crate::error::{Error, Result};
+use crate::model::Model;
+use crate::model::sampler::{Sampler, SamplingOptions};
+use crate::model::session::{ChatSession, Finish};
+
+/// Default `max_tokens` when a request gives none.
+const DEFAULT_MAX_TOKENS: usize = 1024;
+
+/// What the worker sends back for one request.
+enum Reply {
+    Token(u32),
+    /// The prompt's length, positions reused, tokens generated and why it ended.
+    Done {
+        prompt_tokens: usize,
+        reused: usize,
+        finish: Finish,
+    },
+    /// The request failed in the model (the session was reset).
+    Failed(String),
+}
+
+/// A generation request for the worker.
+struct Job {
+    ids: Vec<u32>,
+    max_tokens: usize,
+    sampling: SamplingOptions,
+    stops: Vec<u32>,
+    replies: mpsc::UnboundedSender<Reply>,
+}
+
+/// What handlers share.
+struct Shared {
+    name: String,
+    context: usize,
+    vocab_size: usize,
+    stops: Vec<u32>,
+    jobs: flume::Sender<Job>,
+    tokenizer: Tokenizer,
+}
+
+/// Runs the model worker: one job at a time, one session kept across jobs.
+fn worker(model: Arc<Model>, context: usize, jobs: flume::Receiver<Job>) {
+    let mut session = ChatSession::new(&model, context);
+    for job in jobs.iter() {
+        let replies = job.replies.clone();
+        let reused = match session.feed(&job.ids) {
+            Ok(reused) => reused,
+            Err(e) => {
+                let _ = replies.send(Reply::Failed(e.to_string()));
+                continue;
+            }
+        };
+        let mut sampler = Sampler::new(job.sampling);
+        let result = session.generate(job.max_tokens, &mut sampler, &job.stops, |token| {
+            // A closed channel: the client went away, stop here.
+            replies.send(Reply::Token(token)).is_ok()
+        });
+        let _ = replies.send(match result {
+            Ok((_, finish)) => Reply::Done {
+                prompt_tokens: job.ids.len(),
+                reused,
+                finish,
+            },
+            Err(e) => {
+                session.reset();
+                Reply::Failed(e.to_string())
+            }
+        });
+    }
+}
+
+/// An OpenAI-style error response.
+fn error(status: StatusCode, message: impl Into<String>, code: &str) -> Response {
+    let kind = if status.is_server_error() {
+        "server_error"
+    } else {
+        "invalid_request_error"
+    };
+    (
+        status,
+        Json(json!({"error": {"message": message.into(), "type": kind, "param": null, "code": code}})),
+    )
+        .into_response()
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Today's date (UTC) as `YYYY-MM-DD`, for the Harmony system message.
+fn today() -> String {
+    let days = (now() / 86_400) as i64;
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!("{year:04}-{month:02}-{day:02}")
+}
+
+/// The sampling fields shared by both completion endpoints (`top_k`, `min_p` and
+/// `repetition_penalty` are extensions, as llama.cpp's server has them).
+#[derive(Debug, Deserialize)]
+struct SamplingFields {
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<usize>,
+    min_p: Option<f32>,
+    repetition_penalty: Option<f32>,
+    seed: Option<u64>,
+    max_tokens: Option<usize>,
+    max_completion_tokens: Option<usize>,
+}
+
+impl SamplingFields {
+    /// The options (greedy when no temperature is given), or why they are invalid.
+    fn options(&self) -> std::result::Result<SamplingOptions, String> {
+        let defaults = SamplingOptions::default();
+        let options = SamplingOptions {
+            temperature: self.temperature.unwrap_or(defaults.temperature),
+            top_p: self.top_p.unwrap_or(defaults.top_p),
+            top_k: self.top_k.unwrap_or(defaults.top_k),
+            min_p: self.min_p.unwrap_or(defaults.min_p),
+            repetition_penalty: self
+                .repetition_penalty
+                .unwrap_or(defaults.repetition_penalty),
+            seed: self.seed.unwrap_or(defaults.seed),
+        };
+        options.check()?;
+        Ok(options)
+    }
+
+    fn max_tokens(&self) -> usize {
+        self.max_completion_tokens
+            .or(self.max_tokens)
+            .unwrap_or(DEFAULT_MAX_TOKENS)
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    model: Option<String>,
+    messages: Vec<Value>,
+    #[serde(default)]
+    tools: Vec<Value>,
+    #[serde(default)]
+    tool_choice: Option<Value>,
+    #[serde(default)]
+    stream: bool,
+    reasoning_effort: Option<ReasoningEffort>,
+    #[serde(flatten)]
+    sampling: SamplingFields,
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    model: Option<String>,
+    prompt: String,
+    #[serde(default)]
+    stream: bool,
+    #[serde(flatten)]
+    sampling: SamplingFields,
+}
+
+/// The text of a message's `content`: a string, or an array of `{"type": "text", "text"}` parts.
+fn content_text(content: &Value) -> std::result::Result<String, String> {
+    match content {
+        Value::Null => Ok(String::new()),
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(parts) => parts
+            .iter()
+            .map(|p| match (p["type"].as_str(), p["text"].as_str()) {
+                (Some("text"), Some(t)) => Ok(t.to_string()),
+                _ => Err("only text content parts are supported".to_string()),
+            })
+            .collect(),
+        _ => Err("content must be a string or an array of text parts".into()),
+    }
+}
+
+/// Renders an OpenAI chat request as a Harmony conversation: system and developer messages
+/// become the developer's instructions (Harmony's system message carries the model identity,
+/// date and reasoning effort), tools the developer's function namespace, assistant tool calls
+/// and tool results their Harmony forms.
+fn conversation(request: &ChatRequest) -> std::result::Result<Conversation, String> {
+    let mut instructions = Vec::new();
+    let mut messages = Vec::new();
+    // Tool call ids to function names, to name the tool results.
+    let mut calls: HashMap<String, String> = HashMap::new();
+    for (i, m) in request.messages.iter().enumerate() {
+        let role = m["role"]
+            .as_str()
+            .ok_or_else(|| format!("messages[{i}] has no role"))?;
+        let text = content_text(&m["content"]).map_err(|e| format!("messages[{i}]: {e}"))?;
+        let message = |role: Role, content: String| ChatMessage {
+            role,
+            content,
+            channel: None,
+            recipient: None,
+            content_type: None,
+            name: None,
+        };
+        match role {
+            "system" | "developer" => instructions.push(text),
+            "user" => messages.push(message(Role::User, text)),
+            "assistant" => {
+                if let Some(reasoning) = m["reasoning_content"].as_str() {
+                    messages.push(ChatMessage {
+                        channel: Some("analysis".into()),
+                        ..message(Role::Assistant, reasoning.into())
+                    });
+                }
+                for call in m["tool_calls"].as_array().into_iter().flatten() {
+                    let name = call["function"]["name"].as_str().ok_or_else(|| {
+                        format!("messages[{i}]: a tool call has no function name")
+                    })?;
+                    if let Some(id) = call["id"].as_str() {
+                        calls.insert(id.to_string(), name.to_string());
+                    }
+                    let arguments = call["function"]["arguments"].as_str().unwrap_or("{}");
+                    messages.push(ChatMessage {
+                        channel: Some("commentary".into()),
+                        recipient: Some(format!("functions.{name}")),
+                        content_type: Some("<|constrain|>json".into()),
+                        ..message(Role::Assistant, arguments.into())
+                    });
+                }
+                if !text.is_empty() {
+                    messages.push(ChatMessage {
+                        channel: Some("final".into()),
+                        ..message(Role::Assistant, text)
+                    });
+                }
+            }
+            "tool" => {
+                let name = m["name"]
+                    .as_str()
+                    .map(str::to_string)
+                    .or_else(|| calls.get(m["tool_call_id"].as_str()?).cloned())
+                    .ok_or_else(|| {
+                        format!(
+                            "messages[{i}]: a tool result needs a tool_call_id of an earlier call"
+                        )
+                    })?;
+                messages.push(ChatMessage {
+                    channel: Some("commentary".into()),
+                    name: Some(format!("functions.{name}")),
+                    ..message(Role::Tool, text)
+                });
+            }
+            other => return Err(format!("messages[{i}] has an unknown role {other:?}")),
+        }
+    }
+    if messages.is_empty() {
+        return Err("messages must hold at least one user message".into());
+    }
+    let tool_choice_none = request.tool_choice.as_ref().and_then(Value::as_str) == Some("none");
+    let mut tools = Vec::new();
+    if !tool_choice_none {
+        for (i, tool) in request.tools.iter().enumerate() {
+            let function = &tool["function"];
+            let name = function["name"]
+                .as_str()
+                .ok_or_else(|| format!("tools[{i}] has no function name"))?;
+            tools.push(FunctionTool {
+                name: name.to_string(),
+                description: function["description"].as_str().unwrap_or("").to_string(),
+                parameters: function.get("parameters").cloned(),
+            });
+        }
+    }
+    let developer = (!instructions.is_empty() || !tools.is_empty()).then(|| DeveloperSettings {
+        instructions: (!instructions.is_empty()).then(|| instructions.join("\n\n")),
+        tools,
+    });
+    Ok(Conversation {
+        system: Some(SystemSettings {
+            reasoning_effort: request.reasoning_effort,
+            conversation_start_date: Some(today()),
+            ..Default::default()
+        }),
+        developer,
+        messages,
+    })
+}
+
+impl Shared {
+    /// Checks a request's model name.
+    fn check_model(&self, model: &Option<String>) -> std::result::Result<(), Response> {
+        match model {
+            Some(name) if name != &self.name => Err(error(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "The model `{name}` does not exist (this server has `{}`)",
+                    self.name
+                ),
+                "model_not_found",
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Checks `ids` against the vocabulary and the context before queueing them.
+    fn check_prompt(&self, ids: &[u32]) -> std::result::Result<(), Response> {
+        if ids.is_empty() {
+            return Err(error(
+                StatusCode::BAD_REQUEST,
+                "the prompt is empty",
+                "invalid_prompt",
+            ));
+        }
+        if let Some(id) = ids.iter().find(|&&id| id as usize >= self.vocab_size) {
+            return Err(error(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "token {id} is outside this model's vocabulary of {}",
+                    self.vocab_size
+                ),
+                "invalid_prompt",
+            ));
+        }
+        if ids.len() >= self.context {
+            return Err(error(
+                StatusCode::BAD_REQUEST,
+                format!(
+                    "This model's context is {} tokens; the prompt has {}",
+                    self.context,
+                    ids.len()
+                ),
+                "context_length_exceeded",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Queues a job and returns its replies.
+    fn submit(
+        &self,
+        ids: Vec<u32>,
+        max_tokens: usize,
+        sampling: SamplingOptions,
+    ) -> std::result::Result<mpsc::UnboundedReceiver<Reply>, Response> {
+        let (replies, receiver) = mpsc::unbounded_channel();
+        let job = Job {
+            ids,
+            max_tokens,
+            sampling,
+            stops: self.stops.clone(),
+            replies,
+        };
+        self.jobs.send(job).map_err(|_| {
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the model worker stopped",
+                "server_error",
+            )
+        })?;
+        Ok(receiver)
+    }
+}
+
+/// A JSON body, or an OpenAI-style 400 naming what is wrong with it.
+fn body<T>(
+    payload: std::result::Result<Json<T>, JsonRejection>,
+) -> std::result::Result<T, Response> {
+    payload
+        .map(|Json(v)| v)
+        .map_err(|e| error(StatusCode::BAD_REQUEST, e.body_text(), "invalid_json"))
+}
+
+fn finish_reason(finish: Finish, tool_call: bool) -> &'static str {
+    match finish {
+        _ if tool_call => "tool_calls",
+        Finish::Stop(_) => "stop",
+        Finish::MaxTokens | Finish::ContextFull | Finish::Cancelled => "length",
+    }
+}
+
+/// Turns worker replies into Harmony parser events; shared by the streaming and the plain
+/// chat responses.
+struct ChatOutput {
+    parser: StreamParser,
+    tool_calls: Vec<Value>,
+    content: String,
+    reasoning: String,
+    completion_tokens: usize,
+}
+
+impl ChatOutput {
+    /// Text the model wrote outside any Harmony message (a model that does not follow the
+    /// format, or a header cut by max_tokens), shown as content rather than lost.
+    fn stray_text(&mut self) -> Option<String> {
+        if !self.content.is_empty() || !self.tool_calls.is_empty() {
+            return None;
+        }
+        let text = self.parser.unfinished_header()?.to_string();
+        (!text.is_empty()).then(|| {
+            self.content.push_str(&text);
+            text
+        })
+    }
+
+    fn new(tokenizer: Tokenizer) -> ChatOutput {
+        ChatOutput {
+            parser: StreamParser::new(tokenizer),
+            tool_calls: Vec::new(),
+            content: String::new(),
+            reasoning: String::new(),
+            completion_tokens: 0,
+        }
+    }
+
+    /// Feeds a token; returns the deltas it makes: `(field, text)` for content and reasoning,
+    /// and finished tool calls.
+    fn push(&mut self, token: u32) -> (Vec<(&'static str, String)>, Vec<Value>) {
+        self.completion_tokens += 1;
+        let mut deltas = Vec::new();
+        let mut calls = Vec::new();
+        for event in self.parser.push(token).unwrap_or_default() {
+            match event {
+                Event::Text { channel, text } => {
+                    // Tool-call arguments arrive whole, with the call.
+                    let field = match channel.as_deref() {
+                        Some("analysis") => "reasoning_content",
+                        Some("commentary") => continue,
+                        _ => "content",
+                    };
+                    if field == "content" {
+                        self.content.push_str(&text);
+                    } else {
+                        self.reasoning.push_str(&text);
+                    }
+                    deltas.push((field, text));
+                }
+                Event::Message(m) => {
+                    if let Some(name) = m
+                        .recipient
+                        .as_deref()
+                        .and_then(|r| r.strip_prefix("functions."))
+                    {
+                        let call = json!({
+                            "index": self.tool_calls.len(),
+                            "id": format!("call_{}", self.tool_calls.len()),
+                            "type": "function",
+                            "function": {"name": name, "arguments": m.content},
+                        });
+                        self.tool_calls.push(call.clone());
+                        calls.push(call);
+                    } else if m.channel.as_deref() == Some("commentary") {
+                        // Commentary to the user (a preamble) is content.
+                        self.content.push_str(&m.content);
+                        deltas.push(("content", m.content));
+                    }
+                }
+                Event::Stop(_) => {}
+            }
+        }
+        (deltas, calls)
+    }
+}
+
+async fn chat_completions(
+    State(shared): State<Arc<Shared>>,
+    payload: std::result::Result<Json<ChatRequest>, JsonRejection>,
+) -> Response {
+    let request = match body(payload) {
+        Ok(r) => r,
+        Err(response) => return response,
+    };
+    if let Err(response) = shared.check_model(&request.model) {
+        return response;
+    }
+    if shared.vocab_size < HARMONY_VOCAB_SIZE {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "chat needs a model with the o200k_harmony vocabulary; use /v1/completions",
+            "unsupported_model",
+        );
+    }
+    let sampling = match request.sampling.options() {
+        Ok(s) => s,
+        Err(e) => return error(StatusCode::BAD_REQUEST, e, "invalid_sampling"),
+    };
+    let conversation = match conversation(&request) {
+        Ok(c) => c,
+        Err(e) => return error(StatusCode::BAD_REQUEST, e, "invalid_messages"),
+    };
+    let ids = conversation.render_for_completion(&shared.tokenizer);
+    if let Err(response) = shared.check_prompt(&ids) {
+        return response;
+    }
+    let max_tokens = request.sampling.max_tokens();
+    let mut replies = match shared.submit(ids, max_tokens, sampling) {
+        Ok(r) => r,
+        Err(response) => return response,
+    };
+    let id = format!("chatcmpl-{}", now());
+    let created = now();
+    let model = shared.name.clone();
+    if request.stream {
+        let tokenizer = shared.tokenizer;
+        let (events, stream) =
+            mpsc::channel::<std::result::Result<SseEvent, std::convert::Infallible>>(64);
+        tokio::spawn(async move {
+            let chunk = |delta: Value| {
+                let data = json!({
+                    "id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                    "choices": [{"index": 0, "delta": delta, "finish_reason": null}],
+                });
+                Ok(SseEvent::default().data(data.to_string()))
+            };
+            if events
+                .send(chunk(json!({"role": "assistant", "content": ""})))
+                .await
+                .is_err()
+            {
+                return;
+            }
+            let mut output = ChatOutput::new(tokenizer);
+            while let Some(reply) = replies.recv().await {
+                match reply {
+                    Reply::Token(token) => {
+                        let (deltas, calls) = output.push(token);
+                        if deltas.is_empty() && calls.is_empty() {
+                            // A comment line (ignored by clients): writing something per token is
+                            // how a hung-up client is noticed, so that its generation stops.
+                            if events.send(Ok(SseEvent::default().comment(""))).await.is_err() {
+                                return;
+                            }
+                        }
+                        for (field, text) in deltas {
+                            // A closed stream drops `replies`: the worker stops generating.
+                            if events.send(chunk(json!({ field: text }))).await.is_err() {
+                                return;
+                            }
+                        }
+                        for call in calls {
+                            if events
+                                .send(chunk(json!({"tool_calls": [call]})))
+                                .await
+                                .is_err()
+                            {
+                                return;
+                            }
+                        }
+                    }
+                    Reply::Done {
+                        prompt_tokens,
+                        finish,
+                        ..
+                    } => {
+                        if let Some(text) = output.stray_text() {
+                            let _ = events.send(chunk(json!({ "content": text }))).await;
+                        }
+                        let reason = finish_reason(finish, !output.tool_calls.is_empty());
+                        let last = json!({
+                            "id": id, "object": "chat.completion.chunk", "created": created,
+                            "model": model,
+                            "choices": [{"index": 0, "delta": {}, "finish_reason": reason}],
+                            "usage": {"prompt_tokens": prompt_tokens,
+                                      "completion_tokens": output.completion_tokens,
+                                      "total_tokens": prompt_tokens + output.completion_tokens},
+                        });
+                        let _ = events
+                            .send(Ok(SseEvent::default().data(last.to_string())))
+                            .await;
+                        let _ = events.send(Ok(SseEvent::default().data("[DONE]"))).await;
+                        return;
+                    }
+                    Reply::Failed(message) => {
+                        let data = json!({"error": {"message": message, "type": "server_error"}});
+                        let _ = events
+                            .send(Ok(SseEvent::default().data(data.to_string())))
+                            .await;
+                        let _ = events.send(Ok(SseEvent::default().data("[DONE]"))).await;
+                        return;
+                    }
+                }
+            }
+        });
+        return Sse::new(tokio_stream::wrappers::ReceiverStream::new(stream))
+            .keep_alive(KeepAlive::default())
+            .into_response();
+    }
+    let mut output = ChatOutput::new(shared.tokenizer);
+    while let Some(reply) = replies.recv().await {
+        match reply {
+            Reply::Token(token) => {
+                output.push(token);
+            }
+            Reply::Done {
+                prompt_tokens,
+                reused,
+                finish,
+            } => {
+                output.stray_text();
+                let tool_call = !output.tool_calls.is_empty();
+                let mut message = json!({
+                    "role": "assistant",
+                    "content": if tool_call && output.content.is_empty() { Value::Null } else { json!(output.content) },
+                });
+                if !output.reasoning.is_empty() {
+                    message["reasoning_content"] = json!(output.reasoning);
+                }
+                if tool_call {
+                    message["tool_calls"] = json!(output.tool_calls);
+                }
+                return Json(json!({
+                    "id": id, "object": "chat.completion", "created": created, "model": model,
+                    "choices": [{"index": 0, "message": message,
+                                 "finish_reason": finish_reason(finish, tool_call)}],
+                    "usage": {"prompt_tokens": prompt_tokens,
+                              "completion_tokens": output.completion_tokens,
+                              "total_tokens": prompt_tokens + output.completion_tokens,
+                              "prompt_tokens_details": {"cached_tokens": reused}},
+                }))
+                .into_response();
+            }
+            Reply::Failed(message) => {
+                return error(StatusCode::INTERNAL_SERVER_ERROR, message, "server_error");
+            }
+        }
+    }
+    error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the model worker stopped",
+        "server_error",
+    )
+}
+
+async fn completions(
+    State(shared): State<Arc<Shared>>,
+    payload: std::result::Result<Json<CompletionRequest>, JsonRejection>,
+) -> Response {
+    let request = match body(payload) {
+        Ok(r) => r,
+        Err(response) => return response,
+    };
+    if let Err(response) = shared.check_model(&request.model) {
+        return response;
+    }
+    let sampling = match request.sampling.options() {
+        Ok(s) => s,
+        Err(e) => return error(StatusCode::BAD_REQUEST, e, "invalid_sampling"),
+    };
+    let ids = shared.tokenizer.encode_with_special_tokens(&request.prompt);
+    if let Err(response) = shared.check_prompt(&ids) {
+        return response;
+    }
+    let mut replies = match shared.submit(ids, request.sampling.max_tokens(), sampling) {
+        Ok(r) => r,
+        Err(response) => return response,
+    };
+    let (id, created, model) = (format!("cmpl-{}", now()), now(), shared.name.clone());
+    let tokenizer = shared.tokenizer;
+    if request.stream {
+        let (events, stream) =
+            mpsc::channel::<std::result::Result<SseEvent, std::convert::Infallible>>(64);
+        tokio::spawn(async move {
+            let mut pending: Vec<u32> = Vec::new();
+            while let Some(reply) = replies.recv().await {
+                let (text, finish) = match reply {
+                    Reply::Token(token) => {
+                        pending.push(token);
+                        // Whole characters only: wait while the bytes end mid-character (with a
+                        // comment line, so that a hung-up client is still noticed).
+                        let bytes = tokenizer.decode_bytes(&pending).unwrap_or_default();
+                        match String::from_utf8(bytes) {
+                            Ok(text) => {
+                                pending.clear();
+                                (text, None)
+                            }
+                            Err(_) => {
+                                if events.send(Ok(SseEvent::default().comment(""))).await.is_err() {
+                                    return;
+                                }
+                                continue;
+                            }
+                        }
+                    }
+                    Reply::Done { finish, .. } => {
+                        let text = tokenizer.decode_lossy(&pending).unwrap_or_default();
+                        (text, Some(finish_reason(finish, false)))
+                    }
+                    Reply::Failed(_) => (String::new(), Some("error")),
+                };
+                let data = json!({"id": id, "object": "text_completion", "created": created, "model": model,
+                                  "choices": [{"index": 0, "text": text, "finish_reason": finish}]});
+                if events
+                    .send(Ok(SseEvent::default().data(data.to_string())))
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                if finish.is_some() {
+                    let _ = events.send(Ok(SseEvent::default().data("[DONE]"))).await;
+                    return;
+                }
+            }
+        });
+        return Sse::new(tokio_stream::wrappers::ReceiverStream::new(stream)).into_response();
+    }
+    let mut tokens = Vec::new();
+    while let Some(reply) = replies.recv().await {
+        match reply {
+            Reply::Token(token) => tokens.push(token),
+            Reply::Done {
+                prompt_tokens,
+                finish,
+                ..
+            } => {
+                let text = tokenizer.decode_lossy(&tokens).unwrap_or_default();
+                return Json(json!({
+                    "id": id, "object": "text_completion", "created": created, "model": model,
+                    "choices": [{"index": 0, "text": text, "finish_reason": finish_reason(finish, false)}],
+                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens.len(),
+                              "total_tokens": prompt_tokens + tokens.len()},
+                }))
+                .into_response();
+            }
+            Reply::Failed(message) => {
+                return error(StatusCode::INTERNAL_SERVER_ERROR, message, "server_error");
+            }
+        }
+    }
+    error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the model worker stopped",
+        "server_error",
+    )
+}
+
+async fn models(State(shared): State<Arc<Shared>>) -> Response {
+    Json(json!({"object": "list", "data": [
+        {"id": shared.name, "object": "model", "created": 0, "owned_by": "picchio"}
+    ]}))
+    .into_response()
+}
+
+async fn health() -> Response {
+    Json(json!({"status": "ok"})).into_response()
+}
+
+async fn not_found() -> Response {
+    error(StatusCode::NOT_FOUND, "no such route", "not_found")
+}
+
+/// Serves `model` (called `name`) on `host:port` until the process is stopped; `ready` is
+/// called with the bound address (port 0 picks a free one).
+pub fn serve(
+    model: Model,
+    name: String,
+    context: usize,
+    host: &str,
+    port: u16,
+    ready: impl FnOnce(std::net::SocketAddr),
+) -> Result<()> {
+    let model = Arc::new(model);
+    let mut stops = model.config.eos_token_ids.clone();
+    if model.config.vocab_size >= HARMONY_VOCAB_SIZE {
+        stops.extend([RETURN, CALL]);
+    }
+    let (jobs, queue) = flume::unbounded();
+    let shared = Arc::new(Shared {
+        name,
+        context,
+        vocab_size: model.config.vocab_size,
+        stops,
+        jobs,
+        tokenizer: Tokenizer::o200k_harmony(),
+    });
+    let worker_model = model.clone();
+    std::thread::Builder::new()
+        .name("picchio-model".into())
+        .spawn(move || worker(worker_model, context, queue))
+        .map_err(|e| Error::io("model worker", e))?;
+    let app = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .fallback(not_found)
+        .with_state(shared);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io("tokio runtime", e))?;
+    runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind((host, port))
+            .await
+            .map_err(|e| Error::io(format!("{host}:{port}"), e))?;
+        let address = listener
+            .local_addr()
+            .map_err(|e| Error::io(format!("{host}:{port}"), e))?;
+        ready(address);
+        axum::serve(listener, app)
+            .await
+            .map_err(|e| Error::io("HTTP server", e))
+    })
+}

@@ -1,0 +1,343 @@
+//! `picchio serve`: real HTTP requests over loopback against a tiny model with the
+//! o200k_harmony vocabulary (`picchio synth --shape tiny-harmony`, made here, not committed).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Child, Command, Stdio};
+
+use serde_json::{Value, json};
+
+struct Server {
+    child: Child,
+    port: u16,
+    _model: tempfile::TempDir,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn picchio() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_picchio"))
+}
+
+/// A server on a free port over a fresh tiny-harmony model.
+fn server(extra: &[&str]) -> Server {
+    let model = tempfile::tempdir().unwrap();
+    let dir = model.path().join("tiny-harmony");
+    let out = picchio()
+        .args([
+            "synth",
+            "--shape",
+            "tiny-harmony",
+            "--out",
+            dir.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut child = picchio()
+        .args(["serve", "--model", dir.to_str().unwrap(), "--port", "0"])
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let mut lines = BufReader::new(stderr).lines();
+    let port = loop {
+        let line = lines.next().expect("server exited").unwrap();
+        if let Some(address) = line.strip_prefix("picchio: listening on http://") {
+            break address.rsplit(':').next().unwrap().parse().unwrap();
+        }
+    };
+    // Keep draining stderr so the server never blocks on it.
+    std::thread::spawn(move || for _ in lines {});
+    Server {
+        child,
+        port,
+        _model: model,
+    }
+}
+
+/// One HTTP/1.1 request; returns the status and the (de-chunked) body.
+fn request(port: u16, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let body = body.unwrap_or("");
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).unwrap();
+    let raw = String::from_utf8(raw).unwrap();
+    let (head, rest) = raw.split_once("\r\n\r\n").unwrap();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    let chunked = head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked");
+    let body = if chunked {
+        let mut out = String::new();
+        let mut rest = rest;
+        loop {
+            let (size, after) = rest.split_once("\r\n").unwrap();
+            let size = usize::from_str_radix(size.trim(), 16).unwrap();
+            if size == 0 {
+                break;
+            }
+            out.push_str(&after[..size]);
+            rest = &after[size + 2..];
+        }
+        out
+    } else {
+        rest.to_string()
+    };
+    (status, body)
+}
+
+fn post(port: u16, path: &str, body: &Value) -> (u16, Value) {
+    let (status, text) = request(port, "POST", path, Some(&body.to_string()));
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+/// The `data:` payloads of an SSE body.
+fn events(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
+        .collect()
+}
+
+fn chat(content: &str, max_tokens: usize) -> Value {
+    json!({"model": "tiny-harmony", "messages": [{"role": "user", "content": content}],
+           "max_tokens": max_tokens})
+}
+
+#[test]
+fn health_models_and_chat_completions() {
+    let s = server(&[]);
+    let (status, body) = request(s.port, "GET", "/health", None);
+    assert_eq!((status, body.as_str()), (200, r#"{"status":"ok"}"#));
+    let (status, body) = request(s.port, "GET", "/v1/models", None);
+    let models: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(models["data"][0]["id"], "tiny-harmony");
+
+    // Non-streaming: an OpenAI chat.completion object.
+    let (status, reply) = post(s.port, "/v1/chat/completions", &chat("Say hi.", 5));
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["object"], "chat.completion");
+    assert_eq!(reply["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(reply["choices"][0]["finish_reason"], "length");
+    let usage = &reply["usage"];
+    assert_eq!(usage["completion_tokens"], 5);
+    assert!(usage["prompt_tokens"].as_u64().unwrap() > 20);
+    assert_eq!(
+        usage["total_tokens"],
+        usage["prompt_tokens"].as_u64().unwrap() + 5
+    );
+    // Greedy and deterministic: the same request gives the same reply, reusing the cache.
+    let (_, again) = post(s.port, "/v1/chat/completions", &chat("Say hi.", 5));
+    assert_eq!(again["choices"], reply["choices"]);
+    assert!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
+
+    // Streaming: chunks, then [DONE].
+    let mut streamed = chat("Say hi.", 5);
+    streamed["stream"] = json!(true);
+    let (status, body) = request(
+        s.port,
+        "POST",
+        "/v1/chat/completions",
+        Some(&streamed.to_string()),
+    );
+    assert_eq!(status, 200);
+    let data = events(&body);
+    assert_eq!(data.last().unwrap(), "[DONE]");
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert!(
+        chunks
+            .iter()
+            .all(|c| c["object"] == "chat.completion.chunk")
+    );
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let last = chunks.last().unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    assert_eq!(last["usage"]["completion_tokens"], 5);
+    // The streamed text is the non-streamed reply's.
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(
+        text,
+        reply["choices"][0]["message"]["content"].as_str().unwrap()
+    );
+
+    // Tools render into the prompt (a longer prompt), and the reply is still valid.
+    let mut tools = chat("Weather in Tokyo?", 3);
+    tools["tools"] = json!([{"type": "function", "function": {
+        "name": "get_weather", "description": "Gets the weather.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]);
+    tools["tool_choice"] = json!("auto");
+    let (status, with_tools) = post(s.port, "/v1/chat/completions", &tools);
+    assert_eq!(status, 200, "{with_tools}");
+    let (_, without) = post(
+        s.port,
+        "/v1/chat/completions",
+        &chat("Weather in Tokyo?", 3),
+    );
+    assert!(
+        with_tools["usage"]["prompt_tokens"].as_u64() > without["usage"]["prompt_tokens"].as_u64()
+    );
+    // A conversation with a tool call and its result renders too.
+    let history = json!({"messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Tokyo?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_0", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\":\"Tokyo\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "{\"temp\": 20}"}],
+        "tools": tools["tools"], "max_tokens": 2});
+    let (status, reply) = post(s.port, "/v1/chat/completions", &history);
+    assert_eq!(status, 200, "{reply}");
+
+    // Raw completions.
+    let (status, reply) = post(
+        s.port,
+        "/v1/completions",
+        &json!({"prompt": "Once upon a time", "max_tokens": 4}),
+    );
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(reply["object"], "text_completion");
+    assert_eq!(reply["usage"]["completion_tokens"], 4);
+}
+
+#[test]
+fn bad_requests_get_openai_errors_and_leave_the_server_working() {
+    let s = server(&["--context", "128"]);
+    let (_, before) = post(s.port, "/v1/chat/completions", &chat("Hello", 4));
+    let cases: Vec<(Option<String>, u16, &str)> = vec![
+        (Some("{\"messages\": [".into()), 400, "invalid_json"),
+        (Some(r#"{"messages": "hi"}"#.into()), 400, "invalid_json"),
+        (
+            Some(chat("x", 2).to_string().replace("tiny-harmony", "gpt-4")),
+            404,
+            "model_not_found",
+        ),
+        (
+            Some(
+                json!({"messages": [{"role": "user", "content": "x"}], "temperature": -1})
+                    .to_string(),
+            ),
+            400,
+            "invalid_sampling",
+        ),
+        (
+            Some(json!({"messages": [{"role": "user", "content": "x"}], "top_p": 0}).to_string()),
+            400,
+            "invalid_sampling",
+        ),
+        (
+            Some(json!({"messages": [{"role": "wizard", "content": "x"}]}).to_string()),
+            400,
+            "invalid_messages",
+        ),
+        (
+            Some(json!({"messages": []}).to_string()),
+            400,
+            "invalid_messages",
+        ),
+        (
+            Some(chat(&"word ".repeat(200), 2).to_string()),
+            400,
+            "context_length_exceeded",
+        ),
+    ];
+    for (body, want_status, want_code) in cases {
+        let (status, text) = request(s.port, "POST", "/v1/chat/completions", body.as_deref());
+        let error: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(
+            (status, error["error"]["code"].as_str()),
+            (want_status, Some(want_code)),
+            "{text}"
+        );
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty())
+        );
+    }
+    let (status, _) = request(s.port, "GET", "/v1/nothing", None);
+    assert_eq!(status, 404);
+    // The session was never touched: the same request gives the same reply.
+    let (status, after) = post(s.port, "/v1/chat/completions", &chat("Hello", 4));
+    assert_eq!(status, 200);
+    assert_eq!(after["choices"], before["choices"]);
+}
+
+#[test]
+fn concurrent_clients_are_queued_and_all_answered() {
+    let s = server(&[]);
+    let port = s.port;
+    let clients: Vec<_> = (0..3)
+        .map(|i| {
+            std::thread::spawn(move || {
+                post(
+                    port,
+                    "/v1/chat/completions",
+                    &chat(&format!("Client {i} says hi."), 6),
+                )
+            })
+        })
+        .collect();
+    for client in clients {
+        let (status, reply) = client.join().unwrap();
+        assert_eq!(status, 200, "{reply}");
+        assert_eq!(reply["usage"]["completion_tokens"], 6);
+    }
+    // A client that hangs up mid-stream does not stall the server: its generation stops.
+    let timed = std::time::Instant::now();
+    let (status, _) = post(port, "/v1/chat/completions", &chat("Count.", 100));
+    assert_eq!(status, 200);
+    let hundred_tokens = timed.elapsed();
+    let mut streamed = chat("Tell me a long story.", 2000);
+    streamed["stream"] = json!(true);
+    let body = streamed.to_string();
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        stream,
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut first = [0u8; 64];
+    let _ = stream.read(&mut first).unwrap();
+    drop(stream);
+    let started = std::time::Instant::now();
+    let (status, _) = post(port, "/v1/chat/completions", &chat("Next.", 2));
+    assert_eq!(status, 200);
+    // Finishing the abandoned 2000 tokens first would take 20 times as long as 100.
+    assert!(
+        started.elapsed() < hundred_tokens * 8,
+        "{:?} after a hang-up; 100 tokens take {hundred_tokens:?}",
+        started.elapsed()
+    );
+}
