@@ -156,6 +156,47 @@ struct PromptArgs {
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum ReasoningArg {
+    Low,
+    Medium,
+    High,
+}
+
+/// How tokens are chosen (greedy by default).
+#[derive(clap::Args)]
+struct SamplingArgs {
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// 0 keeps every token.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+impl SamplingArgs {
+    fn options(&self) -> Result<picchio::model::sampler::SamplingOptions> {
+        let options = picchio::model::sampler::SamplingOptions {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            seed: self.seed,
+        };
+        options.check().map_err(anyhow::Error::msg)?;
+        Ok(options)
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum OnOff {
     On,
     Off,
@@ -231,6 +272,28 @@ enum Command {
         /// Close a shard before it passes this many bytes (the published files use 4.8 GB).
         #[arg(long, default_value_t = picchio::synth::DEFAULT_SHARD_BYTES)]
         shard_bytes: u64,
+    },
+    /// Chat in the terminal: type a message, read the answer as it is generated.
+    Chat {
+        #[command(flatten)]
+        model: ModelArgs,
+        /// Most positions the conversation holds (default: 4096, at most the model's
+        /// max_position_embeddings).
+        #[arg(long, value_name = "N")]
+        context: Option<usize>,
+        /// Most tokens per answer.
+        #[arg(long, default_value_t = 1024)]
+        max_new_tokens: usize,
+        /// Instructions for the model (the developer message).
+        #[arg(long, value_name = "TEXT")]
+        system: Option<String>,
+        #[arg(long, default_value = "medium", value_name = "low|medium|high")]
+        reasoning_effort: ReasoningArg,
+        /// Show the model's reasoning (dimmed) before its answer.
+        #[arg(long)]
+        show_reasoning: bool,
+        #[command(flatten)]
+        sampling: SamplingArgs,
     },
     /// Serve the model over OpenAI-compatible HTTP (or, with --stdio, a line protocol on
     /// stdin/stdout).
@@ -563,6 +626,48 @@ fn run(cli: Cli) -> Result<()> {
                 mmap,
             };
             bench(&options, json, csv, plot)
+        }
+        Command::Chat {
+            model,
+            context,
+            max_new_tokens,
+            system,
+            reasoning_effort,
+            show_reasoning,
+            sampling,
+        } => {
+            use std::io::IsTerminal;
+            let sampling = sampling.options()?;
+            let loaded = model.load()?;
+            let context = match context {
+                Some(0) => bail!("--context must be at least 1"),
+                Some(n) => n,
+                None => 4096.min(loaded.config.max_position_embeddings),
+            };
+            let options = picchio::chat::terminal::ChatOptions {
+                context,
+                max_new_tokens,
+                instructions: system,
+                reasoning_effort: match reasoning_effort {
+                    ReasoningArg::Low => picchio::chat::harmony::ReasoningEffort::Low,
+                    ReasoningArg::Medium => picchio::chat::harmony::ReasoningEffort::Medium,
+                    ReasoningArg::High => picchio::chat::harmony::ReasoningEffort::High,
+                },
+                show_reasoning,
+                dim: std::io::stdout().is_terminal(),
+                sampling,
+            };
+            if std::io::stdin().is_terminal() {
+                eprintln!("picchio chat: type a message; /reset starts over, /exit leaves");
+            }
+            picchio::chat::terminal::run(
+                &loaded,
+                &options,
+                std::io::stdin().lock(),
+                std::io::stdout().lock(),
+                std::io::stderr().lock(),
+            )?;
+            Ok(())
         }
         Command::Serve {
             model,

@@ -122,22 +122,6 @@ fn now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// Today's date (UTC) as `YYYY-MM-DD`, for the Harmony system message.
-fn today() -> String {
-    let days = (now() / 86_400) as i64;
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!("{year:04}-{month:02}-{day:02}")
-}
-
 /// The sampling fields shared by both completion endpoints (`top_k`, `min_p` and
 /// `repetition_penalty` are extensions, as llama.cpp's server has them).
 #[derive(Debug, Deserialize)]
@@ -316,7 +300,7 @@ fn conversation(request: &ChatRequest) -> std::result::Result<Conversation, Stri
     Ok(Conversation {
         system: Some(SystemSettings {
             reasoning_effort: request.reasoning_effort,
-            conversation_start_date: Some(today()),
+            conversation_start_date: Some(crate::chat::harmony::today()),
             ..Default::default()
         }),
         developer,
@@ -564,7 +548,11 @@ async fn chat_completions(
                         if deltas.is_empty() && calls.is_empty() {
                             // A comment line (ignored by clients): writing something per token is
                             // how a hung-up client is noticed, so that its generation stops.
-                            if events.send(Ok(SseEvent::default().comment(""))).await.is_err() {
+                            if events
+                                .send(Ok(SseEvent::default().comment("")))
+                                .await
+                                .is_err()
+                            {
                                 return;
                             }
                         }
@@ -711,7 +699,11 @@ async fn completions(
                                 (text, None)
                             }
                             Err(_) => {
-                                if events.send(Ok(SseEvent::default().comment(""))).await.is_err() {
+                                if events
+                                    .send(Ok(SseEvent::default().comment("")))
+                                    .await
+                                    .is_err()
+                                {
                                     return;
                                 }
                                 continue;

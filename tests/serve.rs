@@ -24,8 +24,8 @@ fn picchio() -> Command {
     Command::new(env!("CARGO_BIN_EXE_picchio"))
 }
 
-/// A server on a free port over a fresh tiny-harmony model.
-fn server(extra: &[&str]) -> Server {
+/// A fresh tiny-harmony model, in `DIR/tiny-harmony`.
+fn tiny_harmony() -> (tempfile::TempDir, std::path::PathBuf) {
     let model = tempfile::tempdir().unwrap();
     let dir = model.path().join("tiny-harmony");
     let out = picchio()
@@ -43,6 +43,12 @@ fn server(extra: &[&str]) -> Server {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    (model, dir)
+}
+
+/// A server on a free port over a fresh tiny-harmony model.
+fn server(extra: &[&str]) -> Server {
+    let (model, dir) = tiny_harmony();
     let mut child = picchio()
         .args(["serve", "--model", dir.to_str().unwrap(), "--port", "0"])
         .args(extra)
@@ -339,5 +345,71 @@ fn concurrent_clients_are_queued_and_all_answered() {
         started.elapsed() < hundred_tokens * 8,
         "{:?} after a hang-up; 100 tokens take {hundred_tokens:?}",
         started.elapsed()
+    );
+}
+
+#[test]
+fn terminal_chat_answers_reuses_the_conversation_and_resets() {
+    let (_model, dir) = tiny_harmony();
+    let mut child = picchio()
+        .args([
+            "chat",
+            "--model",
+            dir.to_str().unwrap(),
+            "--max-new-tokens",
+            "5",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"Hello there\nAnd again\n/reset\nFresh start\n/exit\nnever read\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let status: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with('[') && l.contains("tokens/s"))
+        .collect();
+    assert_eq!(status.len(), 3, "{stderr}");
+    let reused = |line: &str| -> usize {
+        line.split(", ")
+            .find_map(|p| p.strip_suffix(" reused")?.parse().ok())
+            .unwrap()
+    };
+    assert_eq!(reused(status[0]), 0);
+    assert!(
+        reused(status[1]) > 50,
+        "the second turn reuses the first: {}",
+        status[1]
+    );
+    assert_eq!(reused(status[2]), 0, "after /reset nothing is reused");
+    assert!(stderr.contains("(conversation reset)"));
+    assert!(
+        status.iter().all(|l| l.starts_with("[5 tokens")),
+        "{stderr}"
+    );
+    // One answer line per turn.
+    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 3);
+}
+
+#[test]
+fn chat_on_a_model_without_the_harmony_vocabulary_is_a_clear_error() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-single");
+    let out = picchio()
+        .args(["chat", "--model", dir.to_str().unwrap()])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("o200k_harmony vocabulary"),
+        "{stderr}"
     );
 }

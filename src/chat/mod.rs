@@ -3,4 +3,5 @@
 pub mod harmony;
 pub mod parser;
 pub mod stdio;
+pub mod terminal;
 pub mod tokenizer;
