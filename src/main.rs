@@ -95,6 +95,13 @@ struct ModelArgs {
 }
 
 impl ModelArgs {
+    /// `load`, for chatting: the checkpoint's tokenizer.json (when it has one) must agree with
+    /// o200k_harmony's special tokens.
+    fn load_for_chat(&self) -> Result<Model> {
+        picchio::chat::tokenizer::Tokenizer::check_checkpoint(&self.model)?;
+        self.load()
+    }
+
     fn load(&self) -> Result<Model> {
         let options = picchio::model::ModelOptions {
             ram_budget: self.ram_budget,
@@ -638,7 +645,7 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             use std::io::IsTerminal;
             let sampling = sampling.options()?;
-            let loaded = model.load()?;
+            let loaded = model.load_for_chat()?;
             let context = match context {
                 Some(0) => bail!("--context must be at least 1"),
                 Some(n) => n,
@@ -678,7 +685,7 @@ fn run(cli: Cli) -> Result<()> {
             context,
             seed,
         } => {
-            let loaded = model.load()?;
+            let loaded = model.load_for_chat()?;
             let context = match context {
                 Some(0) => bail!("--context must be at least 1"),
                 Some(n) => n,

@@ -118,6 +118,22 @@ mod tests {
     }
 
     #[test]
+    fn a_tokenizer_json_that_disagrees_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(Tokenizer::check_checkpoint(dir.path()).is_ok(), "no file: nothing to check");
+        let write = |id: u32| {
+            let json = serde_json::json!({"added_tokens": [
+                {"id": 200006, "content": "<|start|>"}, {"id": id, "content": "<|return|>"}]});
+            std::fs::write(dir.path().join("tokenizer.json"), json.to_string()).unwrap();
+        };
+        write(RETURN);
+        assert!(Tokenizer::check_checkpoint(dir.path()).is_ok());
+        write(200010);
+        let err = Tokenizer::check_checkpoint(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("<|return|>") && err.contains("200010"), "{err}");
+    }
+
+    #[test]
     fn text_round_trips() {
         let t = Tokenizer::o200k_harmony();
         for text in ["Say hi.", "  Ciao, città! 東京 🌸\n\n\ttabs", ""] {
