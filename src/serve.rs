@@ -832,3 +832,88 @@ pub fn serve(
             .map_err(|e| Error::io("HTTP server", e))
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(text: &str) -> (ChatOutput, Vec<(&'static str, String)>, Vec<Value>) {
+        let tokenizer = Tokenizer::o200k_harmony();
+        let mut output = ChatOutput::new(tokenizer);
+        let (mut deltas, mut calls) = (Vec::new(), Vec::new());
+        for token in tokenizer.encode_with_special_tokens(text) {
+            let (d, c) = output.push(token);
+            deltas.extend(d);
+            calls.extend(c);
+        }
+        (output, deltas, calls)
+    }
+
+    #[test]
+    fn a_generated_tool_call_becomes_tool_calls() {
+        let (output, deltas, calls) = run(
+            "<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant to=functions.get_weather<|channel|>commentary <|constrain|>json<|message|>{\"city\":\"Rome\"}<|call|>",
+        );
+        assert_eq!(output.reasoning, "Need weather.");
+        assert!(
+            deltas
+                .iter()
+                .all(|(field, _)| *field == "reasoning_content")
+        );
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0]["function"]["name"], "get_weather");
+        assert_eq!(calls[0]["function"]["arguments"], "{\"city\":\"Rome\"}");
+        assert_eq!(calls[0]["id"], "call_0");
+        assert_eq!(
+            finish_reason(Finish::Stop(CALL), !output.tool_calls.is_empty()),
+            "tool_calls"
+        );
+    }
+
+    #[test]
+    fn analysis_and_final_split_into_reasoning_and_content() {
+        let (output, deltas, calls) = run(
+            "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hello!<|return|>",
+        );
+        assert!(calls.is_empty());
+        assert_eq!(
+            (output.reasoning.as_str(), output.content.as_str()),
+            ("Think.", "Hello!")
+        );
+        let content: String = deltas
+            .iter()
+            .filter(|(f, _)| *f == "content")
+            .map(|(_, t)| t.as_str())
+            .collect();
+        assert_eq!(content, "Hello!");
+        assert_eq!(finish_reason(Finish::Stop(RETURN), false), "stop");
+    }
+
+    #[test]
+    fn chat_messages_render_tool_calls_and_results() {
+        let request: ChatRequest = serde_json::from_value(json!({
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Weather?"}]},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
+            "tools": [{"type": "function", "function": {"name": "get_weather", "description": "W"}}]
+        }))
+        .unwrap();
+        let c = conversation(&request).unwrap();
+        let developer = c.developer.unwrap();
+        assert_eq!(developer.instructions.as_deref(), Some("Be brief."));
+        assert_eq!(developer.tools[0].name, "get_weather");
+        assert_eq!(
+            c.messages[1].recipient.as_deref(),
+            Some("functions.get_weather")
+        );
+        assert_eq!(c.messages[2].name.as_deref(), Some("functions.get_weather"));
+        // A tool result for an unknown call is an error, not a guess.
+        let bad: ChatRequest = serde_json::from_value(json!({"messages": [
+            {"role": "user", "content": "x"}, {"role": "tool", "tool_call_id": "nope", "content": "y"}]}))
+        .unwrap();
+        assert!(conversation(&bad).unwrap_err().contains("tool_call_id"));
+    }
+}

@@ -120,7 +120,10 @@ mod tests {
     #[test]
     fn a_tokenizer_json_that_disagrees_is_named() {
         let dir = tempfile::tempdir().unwrap();
-        assert!(Tokenizer::check_checkpoint(dir.path()).is_ok(), "no file: nothing to check");
+        assert!(
+            Tokenizer::check_checkpoint(dir.path()).is_ok(),
+            "no file: nothing to check"
+        );
         let write = |id: u32| {
             let json = serde_json::json!({"added_tokens": [
                 {"id": 200006, "content": "<|start|>"}, {"id": id, "content": "<|return|>"}]});
@@ -129,8 +132,13 @@ mod tests {
         write(RETURN);
         assert!(Tokenizer::check_checkpoint(dir.path()).is_ok());
         write(200010);
-        let err = Tokenizer::check_checkpoint(dir.path()).unwrap_err().to_string();
-        assert!(err.contains("<|return|>") && err.contains("200010"), "{err}");
+        let err = Tokenizer::check_checkpoint(dir.path())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("<|return|>") && err.contains("200010"),
+            "{err}"
+        );
     }
 
     #[test]
