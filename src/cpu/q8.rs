@@ -126,6 +126,11 @@ pub fn dot_q8_scalar(values: &[u8], scales: &[u8], x: &[f32]) -> f32 {
 /// A q8 linear layer over one or more tokens: `out[t][r] = row r . xs[t] + bias[r]`.
 pub fn q8_matmul(m: &Q8Matrix, xs: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
     let dot_each = super::simd::q8_dot_each(super::simd::kernels());
+    let q8_tile = super::simd::q8_tile(super::simd::kernels());
+    let tile = |rows: std::ops::Range<usize>, inputs: &[&[f32]], sums: &mut [f32]| {
+        let rows: Vec<(&[u8], &[u8])> = rows.map(|r| m.row(r)).collect();
+        q8_tile(&rows, inputs, sums)
+    };
     super::matmul::rows_times_tokens(
         m.rows,
         m.cols,
@@ -136,7 +141,7 @@ pub fn q8_matmul(m: &Q8Matrix, xs: &[f32], bias: Option<&[f32]>, out: &mut [f32]
             let (values, scales) = m.row(r);
             dot_each(values, scales, inputs, sums)
         },
-        None,
+        Some(&tile),
     );
 }
 

@@ -315,6 +315,21 @@ pub fn q8_dot_each(kernels: CpuKernels) -> Q8DotEach {
     }
 }
 
+/// The q8 tile of `kernels` (`PackedTile`'s shape: values and scales per row): AVX-512's
+/// cache-blocked one, else `q8_dot_each` per row.
+pub fn q8_tile(kernels: CpuKernels) -> PackedTile {
+    match kernels.min(detect()) {
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx512 => |rows, xs, out| {
+            // Safety: handed out only where `detect()` found AVX-512 F/BW/VL and AVX2.
+            unsafe { x86_512::q8_tile(rows, xs, out) }
+        },
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx2 => |rows, xs, out| tile_with(q8_dot_each(CpuKernels::Avx2), rows, xs, out),
+        _ => |rows, xs, out| tile_with(q8_dot_each(CpuKernels::Scalar), rows, xs, out),
+    }
+}
+
 /// Rearranges rows of `cols` inputs into the order the AVX-512 packed kernels read them. Each
 /// run of 128 inputs (four groups, 64 packed bytes) becomes 8 vectors of 16, vector k holding
 /// inputs `8i + k` (i = 0..16): nibble k of each 32-bit word of the packed bytes, in lane order.
@@ -1128,24 +1143,27 @@ mod x86_512 {
         _mm512_cvtph_ps(raw)
     }
 
-    /// q8 rows times `T` inputs (natural order): per group of 32, two vectors of 16 widened
-    /// bytes, multiplied into each input, the sum scaled. Per token the order of the one-input
-    /// kernel.
+    /// Adds groups `groups` (starting at a multiple of 16) of a q8 row times `T` inputs (natural
+    /// order) to `totals`: per group of 32, two vectors of 16 widened bytes, multiplied into each
+    /// input, the sum scaled. Each input's sums run in the same order whatever `T` and however
+    /// the groups are split into calls.
     ///
     /// # Safety
     /// AVX-512 F/BW/VL; `values` holds 32 bytes and `scales` an f16 per group of every input.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    unsafe fn dot_q8_tokens<const T: usize>(
-        values: &[u8],
-        scales: &[u8],
+    #[inline]
+    unsafe fn q8_groups<const T: usize>(
+        (values, scales): (&[u8], &[u8]),
         xs: [&[f32]; T],
-    ) -> [f32; T] {
+        range: std::ops::Range<usize>,
+        totals: &mut Totals<T>,
+    ) {
         let groups = values.len() / 32;
         assert!(values.len() == 32 * groups && xs.iter().all(|x| x.len() == 32 * groups));
+        assert!(range.start % 16 == 0 && range.end <= groups);
         let v = values.as_ptr();
-        let (mut even, mut odd) = ([_mm512_setzero_ps(); T], [_mm512_setzero_ps(); T]);
         let mut decoded = _mm512_setzero_ps();
-        for g in 0..groups {
+        for g in range {
             if g % 16 == 0 {
                 // Safety: groups g..g + n exist.
                 decoded = unsafe { f16_scales16(scales, g, (groups - g).min(16)) };
@@ -1170,17 +1188,82 @@ mod x86_512 {
                     _mm512_fmadd_ps(w1, _mm512_loadu_ps(x.add(16)), sum)
                 };
                 if g % 2 == 0 {
-                    even[t] = _mm512_fmadd_ps(sum, s, even[t]);
+                    totals.even[t] = _mm512_fmadd_ps(sum, s, totals.even[t]);
                 } else {
-                    odd[t] = _mm512_fmadd_ps(sum, s, odd[t]);
+                    totals.odd[t] = _mm512_fmadd_ps(sum, s, totals.odd[t]);
                 }
             }
         }
+    }
+
+    /// The dot products `totals` hold.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn reduce_totals<const T: usize>(totals: &Totals<T>) -> [f32; T] {
         let mut sums = [0f32; T];
         for t in 0..T {
-            sums[t] = _mm512_reduce_add_ps(_mm512_add_ps(even[t], odd[t]));
+            sums[t] = _mm512_reduce_add_ps(_mm512_add_ps(totals.even[t], totals.odd[t]));
         }
         sums
+    }
+
+    /// A q8 row times `T` inputs.
+    ///
+    /// # Safety
+    /// As `q8_groups`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn dot_q8_tokens<const T: usize>(
+        values: &[u8],
+        scales: &[u8],
+        xs: [&[f32]; T],
+    ) -> [f32; T] {
+        let mut totals = Totals::zero();
+        // Safety: the caller's guarantees.
+        unsafe { q8_groups((values, scales), xs, 0..values.len() / 32, &mut totals) };
+        reduce_totals(&totals)
+    }
+
+    /// q8 rows (at most `TILE_ROWS`) times `T` inputs, 16 groups (512 inputs) at a time so
+    /// that the inputs' slices stay in L1 across the rows: `out[r * stride + t]`.
+    /// Bit-identical to `dot_q8_tokens`.
+    ///
+    /// # Safety
+    /// As `q8_groups`, for every row.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn q8_tile_tokens<const T: usize>(
+        rows: &[(&[u8], &[u8])],
+        xs: [&[f32]; T],
+        (out, stride): (&mut [f32], usize),
+    ) {
+        assert!(rows.len() <= TILE_ROWS);
+        let mut totals = [Totals::<T>::zero(); TILE_ROWS];
+        let groups = rows.first().map_or(0, |(v, _)| v.len() / 32);
+        let mut start = 0;
+        while start < groups {
+            let end = (start + 16).min(groups);
+            for (row, totals) in rows.iter().zip(totals.iter_mut()) {
+                // Safety: the caller's guarantees.
+                unsafe { q8_groups(*row, xs, start..end, totals) };
+            }
+            start = end;
+        }
+        for (r, totals) in totals.iter().take(rows.len()).enumerate() {
+            out[r * stride..r * stride + T].copy_from_slice(&reduce_totals(totals));
+        }
+    }
+
+    /// Rows (at most `TILE_ROWS`) times every input: `out[r * xs.len() + t]`.
+    ///
+    /// # Safety
+    /// As `dot_q8_tokens`, for every row and input.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn q8_tile(rows: &[(&[u8], &[u8])], xs: &[&[f32]], out: &mut [f32]) {
+        let stride = xs.len();
+        // Safety: the caller's guarantees.
+        for_blocks_of_four!(xs, |block, t| unsafe {
+            q8_tile_tokens(rows, block, (&mut out[t..], stride))
+        });
     }
 
     /// # Safety
@@ -1466,6 +1549,22 @@ mod tests {
                     let mut one = [0f32];
                     q8_dot_each(kernels)(&q8_values, &int4_scales, &[x], &mut one);
                     assert_eq!(*sum, one[0], "{kernels:?} q8");
+                }
+                let q8_rows: Vec<(&[u8], &[u8])> = (0..TILE_ROWS)
+                    .map(|r| (&wide_blocks[r..r + n], &int4_scales[..]))
+                    .collect();
+                let mut tiled = vec![0f32; TILE_ROWS * count];
+                q8_tile(kernels)(&q8_rows, &xs, &mut tiled);
+                for (r, row) in q8_rows.iter().enumerate() {
+                    for (t, x) in xs.iter().enumerate() {
+                        let mut one = [0f32];
+                        q8_dot_each(kernels)(row.0, row.1, &[x], &mut one);
+                        assert_eq!(
+                            tiled[r * count + t].to_bits(),
+                            one[0].to_bits(),
+                            "{kernels:?} q8 tile"
+                        );
+                    }
                 }
                 for (kernel, scales) in [
                     (mxfp4_dot(kernels), &scales),
