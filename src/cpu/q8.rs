@@ -26,7 +26,7 @@ impl Q8Matrix {
     /// Quantizes `m` row by row (in parallel): scale = max|w| / 127 of the group (as f16), value
     /// = w / scale rounded to nearest. `name` is for the error when the rows are not whole groups.
     pub fn quantize(m: &DenseMatrix, name: &str) -> Result<Q8Matrix> {
-        if m.cols % 32 != 0 {
+        if !m.cols.is_multiple_of(32) {
             return Err(Error::Unsupported(format!(
                 "{name}: rows of {} values cannot be quantized to q8 (groups of 32)",
                 m.cols

@@ -159,11 +159,14 @@ pub struct PackedDot {
     /// `row . x`.
     pub dot: fn(&[u8], &[u8], &[f32]) -> f32,
     /// `out[t] = row . xs[t]`, each bit-identical to `dot`'s (the row decoded once for all).
-    pub dot_each: fn(&[u8], &[u8], &[&[f32]], &mut [f32]),
+    pub dot_each: PackedDotEach,
     /// Rows (packed, scales; at most `TILE_ROWS`) times every input, `out[r * xs.len() + t]`,
     /// each bit-identical to `dot`'s: a cache-blocked `dot_each` over several rows.
     pub tile: PackedTile,
 }
+
+/// See `PackedDot::dot_each`.
+pub type PackedDotEach = fn(&[u8], &[u8], &[&[f32]], &mut [f32]);
 
 /// See `PackedDot::tile`.
 pub type PackedTile = fn(&[(&[u8], &[u8])], &[&[f32]], &mut [f32]);
@@ -177,7 +180,7 @@ impl PackedDot {
     fn one_at_a_time(
         arranged_input: bool,
         dot: fn(&[u8], &[u8], &[f32]) -> f32,
-        dot_each: fn(&[u8], &[u8], &[&[f32]], &mut [f32]),
+        dot_each: PackedDotEach,
         tile: PackedTile,
     ) -> PackedDot {
         PackedDot {
@@ -190,12 +193,7 @@ impl PackedDot {
 }
 
 /// A `PackedTile` of `dot_each` row by row.
-fn tile_with(
-    dot_each: fn(&[u8], &[u8], &[&[f32]], &mut [f32]),
-    rows: &[(&[u8], &[u8])],
-    xs: &[&[f32]],
-    out: &mut [f32],
-) {
+fn tile_with(dot_each: PackedDotEach, rows: &[(&[u8], &[u8])], xs: &[&[f32]], out: &mut [f32]) {
     for ((packed, scales), sums) in rows.iter().zip(out.chunks_exact_mut(xs.len())) {
         dot_each(packed, scales, xs, sums);
     }
@@ -290,7 +288,7 @@ pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
 
 /// Dot products of one q8 row (signed bytes, an f16 scale per 32) with each of several inputs
 /// (natural order), each bit-identical to a one-input call.
-pub type Q8DotEach = fn(&[u8], &[u8], &[&[f32]], &mut [f32]);
+pub type Q8DotEach = PackedDotEach;
 
 /// The q8 row kernel of `kernels` (the scalar reference where the CPU lacks them).
 pub fn q8_dot_each(kernels: CpuKernels) -> Q8DotEach {
@@ -337,7 +335,7 @@ pub fn q8_tile(kernels: CpuKernels) -> PackedTile {
 /// odd ones: the low and high nibbles of their 16 bytes.
 pub fn arrange_packed_input(x: &[f32], cols: usize, out: &mut Vec<f32>) {
     assert!(
-        cols % 32 == 0 && x.len() % cols == 0,
+        cols.is_multiple_of(32) && x.len().is_multiple_of(cols),
         "packed rows hold whole groups of 32"
     );
     out.clear();
@@ -837,7 +835,7 @@ mod x86_512 {
     ) {
         let groups = packed.len() / 16;
         assert!(packed.len() == 16 * groups && xs.iter().all(|x| x.len() == 32 * groups));
-        assert!(runs.start % 4 == 0 && runs.end <= groups / 4);
+        assert!(runs.start.is_multiple_of(4) && runs.end <= groups / 4);
         let p = packed.as_ptr();
         // Lane i of run c (c % 4 = j) takes scale 4j + i / 4 of the 16 decoded at once.
         let spread = |j: i32| {
@@ -939,21 +937,17 @@ mod x86_512 {
             let low = _mm512_permutexvar_ps(codes, table);
             let high = _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(codes), table);
             let s = _mm512_permutexvar_ps(_mm512_set1_epi32((g - first) as i32), last_scales);
-            for t in 0..T {
+            for (x, even) in xs.iter().zip(totals.even.iter_mut()) {
                 // Safety: group g's 32 inputs are in bounds (asserted above).
                 let sum = unsafe {
-                    let xg = xs[t].as_ptr().add(32 * g);
+                    let xg = x.as_ptr().add(32 * g);
                     let sum = _mm512_mul_ps(low, _mm512_loadu_ps(xg));
                     _mm512_fmadd_ps(high, _mm512_loadu_ps(xg.add(16)), sum)
                 };
-                totals.even[t] = _mm512_fmadd_ps(sum, s, totals.even[t]);
+                *even = _mm512_fmadd_ps(sum, s, *even);
             }
         }
-        let mut sums = [0f32; T];
-        for t in 0..T {
-            sums[t] = _mm512_reduce_add_ps(_mm512_add_ps(totals.even[t], totals.odd[t]));
-        }
-        sums
+        reduce_totals(&totals)
     }
 
     /// One packed row times `T` inputs.
@@ -1160,7 +1154,7 @@ mod x86_512 {
     ) {
         let groups = values.len() / 32;
         assert!(values.len() == 32 * groups && xs.iter().all(|x| x.len() == 32 * groups));
-        assert!(range.start % 16 == 0 && range.end <= groups);
+        assert!(range.start.is_multiple_of(16) && range.end <= groups);
         let v = values.as_ptr();
         let mut decoded = _mm512_setzero_ps();
         for g in range {
@@ -1180,18 +1174,19 @@ mod x86_512 {
                 };
                 (w(0), w(1))
             };
-            for t in 0..T {
+            let running = if g % 2 == 0 {
+                &mut totals.even
+            } else {
+                &mut totals.odd
+            };
+            for (x, total) in xs.iter().zip(running.iter_mut()) {
                 // Safety: group g's 32 inputs are in bounds (asserted above).
                 let sum = unsafe {
-                    let x = xs[t].as_ptr().add(32 * g);
+                    let x = x.as_ptr().add(32 * g);
                     let sum = _mm512_mul_ps(w0, _mm512_loadu_ps(x));
                     _mm512_fmadd_ps(w1, _mm512_loadu_ps(x.add(16)), sum)
                 };
-                if g % 2 == 0 {
-                    totals.even[t] = _mm512_fmadd_ps(sum, s, totals.even[t]);
-                } else {
-                    totals.odd[t] = _mm512_fmadd_ps(sum, s, totals.odd[t]);
-                }
+                *total = _mm512_fmadd_ps(sum, s, *total);
             }
         }
     }
@@ -1200,11 +1195,7 @@ mod x86_512 {
     #[target_feature(enable = "avx512f")]
     #[inline]
     fn reduce_totals<const T: usize>(totals: &Totals<T>) -> [f32; T] {
-        let mut sums = [0f32; T];
-        for t in 0..T {
-            sums[t] = _mm512_reduce_add_ps(_mm512_add_ps(totals.even[t], totals.odd[t]));
-        }
-        sums
+        std::array::from_fn(|t| _mm512_reduce_add_ps(_mm512_add_ps(totals.even[t], totals.odd[t])))
     }
 
     /// A q8 row times `T` inputs.
