@@ -256,7 +256,7 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
     }
 }
 
-/// The group-scaled INT4 row kernel of `kernels` (the scalar reference where none is faster).
+/// The group-scaled INT4 row kernel of `kernels` (the scalar reference where the CPU lacks them).
 pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
     match kernels.min(detect()) {
         #[cfg(target_arch = "x86_64")]
@@ -269,6 +269,20 @@ pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
             },
             tile: |rows, xs, out| unsafe { x86_512::int4_tile(rows, xs, out) },
         },
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx2 => PackedDot::one_at_a_time(
+            false,
+            // Safety: handed out only where `detect()` found AVX2, FMA and F16C.
+            |qweight, scales, x| unsafe { x86::dot_int4(qweight, scales, x) },
+            |qweight, scales, xs, out| {
+                // Safety: as above.
+                let dot = |q: &[u8], s: &[u8], x: &[f32]| unsafe { x86::dot_int4(q, s, x) };
+                for (o, x) in out.iter_mut().zip(xs) {
+                    *o = dot(qweight, scales, x);
+                }
+            },
+            |rows, xs, out| tile_with(int4_dot(CpuKernels::Avx2).dot_each, rows, xs, out),
+        ),
         _ => PackedDot::one_at_a_time(
             false,
             crate::cpu::matmul::dot_int4_scalar,
@@ -490,18 +504,25 @@ mod x86 {
         sum8(total)
     }
 
+    /// `sum over groups g of scale(g) * sum_j lut[nibble j] * x_j` for a packed 4-bit row with
+    /// `x` in natural order (low nibble of byte j is value 2j, high nibble value 2j + 1): the
+    /// nibbles index a 16-byte table of small integers, widened to f32.
+    ///
     /// # Safety
-    /// The CPU must support AVX2 and FMA; `blocks` holds 16 bytes and `scales` one byte per 32
-    /// values of `x`.
-    #[target_feature(enable = "avx2,fma")]
-    pub unsafe fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+    /// The CPU must support AVX2 and FMA; `blocks` holds 16 bytes per 32 values of `x`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn dot_nibbles(
+        lut: __m128i,
+        blocks: &[u8],
+        x: &[f32],
+        scale: impl Fn(usize) -> f32,
+    ) -> f32 {
         let groups = x.len() / 32;
-        assert!(blocks.len() >= 16 * groups && scales.len() >= groups && x.len() == 32 * groups);
-        // Twice the E2M1 values, as bytes (the halving goes into the scale: exact).
-        let lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+        assert!(blocks.len() >= 16 * groups && x.len() == 32 * groups);
         let low = _mm_set1_epi8(0x0F);
         let mut total = _mm256_setzero_ps();
-        for (g, &scale) in scales.iter().enumerate().take(groups) {
+        for g in 0..groups {
             if g % 4 == 0 {
                 prefetch_ahead(blocks.as_ptr().wrapping_add(16 * g), 64);
             }
@@ -509,7 +530,6 @@ mod x86 {
             let bytes = unsafe { _mm_loadu_si128(blocks.as_ptr().add(16 * g).cast()) };
             let lo = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, low));
             let hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16::<4>(bytes), low));
-            // Element order: low nibble of byte j is value 2j, high nibble value 2j + 1.
             let first = _mm_unpacklo_epi8(lo, hi);
             let second = _mm_unpackhi_epi8(lo, hi);
             let xs = x.as_ptr();
@@ -527,10 +547,36 @@ mod x86 {
                 let a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xs.add(base + 16)), a);
                 _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xs.add(base + 24)), a)
             };
-            let scale = _mm256_set1_ps(0.5 * e8m0_scale(scale));
-            total = _mm256_fmadd_ps(acc, scale, total);
+            total = _mm256_fmadd_ps(acc, _mm256_set1_ps(scale(g)), total);
         }
         sum8(total)
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2 and FMA; `blocks` holds 16 bytes and `scales` one byte per 32
+    /// values of `x`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+        assert!(scales.len() >= x.len() / 32);
+        // Twice the E2M1 values, as bytes (the halving goes into the scale: exact).
+        let lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+        // Safety: the caller's guarantees.
+        unsafe { dot_nibbles(lut, blocks, x, |g| 0.5 * e8m0_scale(scales[g])) }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `qweight` holds 16 bytes and `scales` one
+    /// little-endian f16 per 32 values of `x`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_int4(qweight: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+        assert!(scales.len() >= 2 * (x.len() / 32));
+        let lut = _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+        let scale = |g: usize| {
+            let bits = u16::from_le_bytes([scales[2 * g], scales[2 * g + 1]]);
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+        };
+        // Safety: the caller's guarantees.
+        unsafe { dot_nibbles(lut, qweight, x, scale) }
     }
 }
 
