@@ -137,11 +137,30 @@ struct SamplingFields {
     seed: Option<u64>,
     max_tokens: Option<usize>,
     max_completion_tokens: Option<usize>,
+    /// Choices per request: only 1 is served.
+    n: Option<usize>,
+    /// Stop sequences: not served yet (only the model's stop tokens end a reply).
+    stop: Option<Value>,
 }
 
 impl SamplingFields {
-    /// The options (greedy when no temperature is given), or why they are invalid.
+    /// The options (greedy when no temperature is given), or why they are invalid. Fields this
+    /// server does not serve are refused rather than ignored.
     fn options(&self) -> std::result::Result<SamplingOptions, String> {
+        if self.n.is_some_and(|n| n != 1) {
+            return Err("n must be 1: this server returns one choice".into());
+        }
+        let stops = match &self.stop {
+            None | Some(Value::Null) => false,
+            Some(Value::String(s)) => !s.is_empty(),
+            Some(Value::Array(a)) => !a.is_empty(),
+            Some(_) => true,
+        };
+        if stops {
+            return Err(
+                "stop sequences are not supported yet (the model's stop tokens end a reply)".into(),
+            );
+        }
         let defaults = SamplingOptions::default();
         let options = SamplingOptions {
             temperature: self.temperature.unwrap_or(defaults.temperature),

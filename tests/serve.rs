@@ -272,6 +272,18 @@ fn bad_requests_get_openai_errors_and_leave_the_server_working() {
             "invalid_messages",
         ),
         (
+            Some(json!({"messages": [{"role": "user", "content": "x"}], "n": 2}).to_string()),
+            400,
+            "invalid_sampling",
+        ),
+        (
+            Some(
+                json!({"messages": [{"role": "user", "content": "x"}], "stop": ["\n"]}).to_string(),
+            ),
+            400,
+            "invalid_sampling",
+        ),
+        (
             Some(chat(&"word ".repeat(200), 2).to_string()),
             400,
             "context_length_exceeded",
@@ -293,6 +305,11 @@ fn bad_requests_get_openai_errors_and_leave_the_server_working() {
     }
     let (status, _) = request(s.port, "GET", "/v1/nothing", None);
     assert_eq!(status, 404);
+    // An empty stop list and n = 1 are what clients often send: accepted.
+    let mut plain = chat("Hello", 1);
+    plain["stop"] = json!([]);
+    plain["n"] = json!(1);
+    assert_eq!(post(s.port, "/v1/chat/completions", &plain).0, 200);
     // The session was never touched: the same request gives the same reply.
     let (status, after) = post(s.port, "/v1/chat/completions", &chat("Hello", 4));
     assert_eq!(status, 200);
