@@ -646,11 +646,7 @@ fn run(cli: Cli) -> Result<()> {
             use std::io::IsTerminal;
             let sampling = sampling.options()?;
             let loaded = model.load_for_chat()?;
-            let context = match context {
-                Some(0) => bail!("--context must be at least 1"),
-                Some(n) => n,
-                None => 4096.min(loaded.config.max_position_embeddings),
-            };
+            let context = session_context(&loaded, context)?;
             let options = picchio::chat::terminal::ChatOptions {
                 context,
                 max_new_tokens,
@@ -686,11 +682,7 @@ fn run(cli: Cli) -> Result<()> {
             seed,
         } => {
             let loaded = model.load_for_chat()?;
-            let context = match context {
-                Some(0) => bail!("--context must be at least 1"),
-                Some(n) => n,
-                None => 4096.min(loaded.config.max_position_embeddings),
-            };
+            let context = session_context(&loaded, context)?;
             if stdio {
                 picchio::chat::stdio::serve(
                     &loaded,
@@ -794,6 +786,14 @@ fn harmony_text(config: &picchio::config::Config, ids: &[u32]) -> Option<String>
                 .ok()
         })
         .flatten()
+}
+
+/// Positions a chat session holds: `--context`, else 4096 (at most what the model supports).
+fn session_context(model: &Model, context: Option<usize>) -> Result<usize> {
+    resolve_context(
+        model,
+        Some(context.unwrap_or(4096.min(model.config.max_position_embeddings))),
+    )
 }
 
 fn resolve_context(model: &Model, context: Option<usize>) -> Result<usize> {

@@ -33,7 +33,7 @@ use crate::chat::harmony::{
     SystemSettings,
 };
 use crate::chat::parser::{Event, StreamParser};
-use crate::chat::tokenizer::{CALL, HARMONY_VOCAB_SIZE, RETURN, Tokenizer};
+use crate::chat::tokenizer::{HARMONY_VOCAB_SIZE, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::model::sampler::{Sampler, SamplingOptions};
@@ -405,6 +405,44 @@ impl Shared {
     }
 }
 
+/// A request both completion endpoints take: it names a model.
+trait Named {
+    fn model(&self) -> &Option<String>;
+}
+
+impl Named for ChatRequest {
+    fn model(&self) -> &Option<String> {
+        &self.model
+    }
+}
+
+impl Named for CompletionRequest {
+    fn model(&self) -> &Option<String> {
+        &self.model
+    }
+}
+
+impl Shared {
+    /// The request's body, for this server's model, or the error response.
+    fn accept<T: Named>(
+        &self,
+        payload: std::result::Result<Json<T>, JsonRejection>,
+    ) -> std::result::Result<T, Response> {
+        let request = body(payload)?;
+        self.check_model(request.model())?;
+        Ok(request)
+    }
+}
+
+/// The answer when the worker's replies end without a result (it stopped).
+fn worker_stopped() -> Response {
+    error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the model worker stopped",
+        "server_error",
+    )
+}
+
 /// A JSON body, or an OpenAI-style 400 naming what is wrong with it.
 fn body<T>(
     payload: std::result::Result<Json<T>, JsonRejection>,
@@ -509,13 +547,10 @@ async fn chat_completions(
     State(shared): State<Arc<Shared>>,
     payload: std::result::Result<Json<ChatRequest>, JsonRejection>,
 ) -> Response {
-    let request = match body(payload) {
+    let request = match shared.accept(payload) {
         Ok(r) => r,
         Err(response) => return response,
     };
-    if let Err(response) = shared.check_model(&request.model) {
-        return response;
-    }
     if shared.vocab_size < HARMONY_VOCAB_SIZE {
         return error(
             StatusCode::BAD_REQUEST,
@@ -671,24 +706,17 @@ async fn chat_completions(
             }
         }
     }
-    error(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "the model worker stopped",
-        "server_error",
-    )
+    worker_stopped()
 }
 
 async fn completions(
     State(shared): State<Arc<Shared>>,
     payload: std::result::Result<Json<CompletionRequest>, JsonRejection>,
 ) -> Response {
-    let request = match body(payload) {
+    let request = match shared.accept(payload) {
         Ok(r) => r,
         Err(response) => return response,
     };
-    if let Err(response) = shared.check_model(&request.model) {
-        return response;
-    }
     let sampling = match request.sampling.options() {
         Ok(s) => s,
         Err(e) => return error(StatusCode::BAD_REQUEST, e, "invalid_sampling"),
@@ -778,11 +806,7 @@ async fn completions(
             }
         }
     }
-    error(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "the model worker stopped",
-        "server_error",
-    )
+    worker_stopped()
 }
 
 async fn models(State(shared): State<Arc<Shared>>) -> Response {
@@ -811,10 +835,7 @@ pub fn serve(
     ready: impl FnOnce(std::net::SocketAddr),
 ) -> Result<()> {
     let model = Arc::new(model);
-    let mut stops = model.config.eos_token_ids.clone();
-    if model.config.vocab_size >= HARMONY_VOCAB_SIZE {
-        stops.extend([RETURN, CALL]);
-    }
+    let stops = crate::chat::stop_ids(&model.config);
     let (jobs, queue) = flume::unbounded();
     let shared = Arc::new(Shared {
         name,
@@ -858,6 +879,7 @@ pub fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::chat::tokenizer::{CALL, RETURN};
 
     fn run(text: &str) -> (ChatOutput, Vec<(&'static str, String)>, Vec<Value>) {
         let tokenizer = Tokenizer::o200k_harmony();

@@ -14,23 +14,11 @@
 
 use std::io::{BufRead, Write};
 
-use super::tokenizer::{CALL, HARMONY_VOCAB_SIZE, RETURN};
+use super::tokenizer::CALL;
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::model::sampler::{Sampler, SamplingOptions};
 use crate::model::session::{ChatSession, Finish};
-
-/// The tokens that end a turn: the model's EOS ids, and for a Harmony vocabulary `<|return|>` and
-/// `<|call|>`.
-pub fn stop_ids(model: &Model) -> Vec<u32> {
-    let mut stops = model.config.eos_token_ids.clone();
-    if model.config.vocab_size >= HARMONY_VOCAB_SIZE {
-        stops.extend([RETURN, CALL]);
-    }
-    stops.sort_unstable();
-    stops.dedup();
-    stops
-}
 
 /// A parsed `TURN` line.
 struct Turn {
@@ -105,7 +93,7 @@ pub fn serve(
 ) -> Result<()> {
     let io = |e: std::io::Error| Error::io("the stdio protocol's output", e);
     let mut session = ChatSession::new(model, context);
-    let stops = stop_ids(model);
+    let stops = super::stop_ids(&model.config);
     let stop_list: Vec<String> = stops.iter().map(u32::to_string).collect();
     let ready = format!(
         "READY {context} {} {}",

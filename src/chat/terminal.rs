@@ -59,8 +59,8 @@ pub fn run(
     let io = |e: std::io::Error| Error::io("the terminal", e);
     let tokenizer = Tokenizer::o200k_harmony();
     let mut session = ChatSession::new(model, options.context);
-    let mut stops = model.config.eos_token_ids.clone();
-    stops.extend([super::tokenizer::RETURN, super::tokenizer::CALL]);
+    // The vocabulary is Harmony's (checked above): `<|return|>` and `<|call|>` are among these.
+    let stops = super::stop_ids(&model.config);
     let base = Conversation {
         system: Some(SystemSettings {
             reasoning_effort: Some(options.reasoning_effort),

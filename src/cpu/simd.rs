@@ -231,11 +231,7 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
             // Safety: handed out only where `detect()` found AVX2, FMA and F16C.
             |blocks, scales, x| unsafe { x86::dot_mxfp4(blocks, scales, x) },
             |blocks, scales, xs, out| {
-                // Safety: as above.
-                let dot = |b: &[u8], s: &[u8], x: &[f32]| unsafe { x86::dot_mxfp4(b, s, x) };
-                for (o, x) in out.iter_mut().zip(xs) {
-                    *o = dot(blocks, scales, x);
-                }
+                each_with(mxfp4_dot(CpuKernels::Avx2).dot, blocks, scales, xs, out)
             },
             |rows, xs, out| tile_with(mxfp4_dot(CpuKernels::Avx2).dot_each, rows, xs, out),
         ),
@@ -275,11 +271,7 @@ pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
             // Safety: handed out only where `detect()` found AVX2, FMA and F16C.
             |qweight, scales, x| unsafe { x86::dot_int4(qweight, scales, x) },
             |qweight, scales, xs, out| {
-                // Safety: as above.
-                let dot = |q: &[u8], s: &[u8], x: &[f32]| unsafe { x86::dot_int4(q, s, x) };
-                for (o, x) in out.iter_mut().zip(xs) {
-                    *o = dot(qweight, scales, x);
-                }
+                each_with(int4_dot(CpuKernels::Avx2).dot, qweight, scales, xs, out)
             },
             |rows, xs, out| tile_with(int4_dot(CpuKernels::Avx2).dot_each, rows, xs, out),
         ),
@@ -1093,32 +1085,10 @@ mod x86_512 {
         ($xs:expr, $out:expr, |$block:ident| $call:expr) => {{
             let (xs, out): (&[&[f32]], &mut [f32]) = ($xs, $out);
             assert_eq!(xs.len(), out.len());
-            let mut t = 0;
-            while t < xs.len() {
-                let sums = &mut out[t..];
-                match xs.len() - t {
-                    1 => {
-                        let $block = [xs[t]];
-                        sums[..1].copy_from_slice(&$call);
-                        t += 1;
-                    }
-                    2 => {
-                        let $block = [xs[t], xs[t + 1]];
-                        sums[..2].copy_from_slice(&$call);
-                        t += 2;
-                    }
-                    3 => {
-                        let $block = [xs[t], xs[t + 1], xs[t + 2]];
-                        sums[..3].copy_from_slice(&$call);
-                        t += 3;
-                    }
-                    _ => {
-                        let $block = [xs[t], xs[t + 1], xs[t + 2], xs[t + 3]];
-                        sums[..4].copy_from_slice(&$call);
-                        t += 4;
-                    }
-                }
-            }
+            for_blocks_of_four!(xs, |$block, t| {
+                let sums = $call;
+                out[t..t + sums.len()].copy_from_slice(&sums);
+            });
         }};
     }
 

@@ -6,6 +6,7 @@ use serde::Serialize;
 
 use super::Model;
 use super::generate::validate_prompt;
+use super::sampler::argmax;
 use crate::error::Result;
 
 #[derive(Debug, Clone, Serialize)]
@@ -20,16 +21,6 @@ pub struct Agreement {
     pub first_disagreement: Option<usize>,
     /// The exact path's greedy tokens (what both models were fed).
     pub exact_ids: Vec<u32>,
-}
-
-fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in logits.iter().enumerate() {
-        if *v > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 /// Compares `other` with `exact` (the same checkpoint loaded two ways) over `steps` steps after

@@ -282,20 +282,28 @@ impl Model {
     /// Faults in the mapped dense weights, and the experts when they all fit the RAM budget
     /// (`ExpertStore::warm_up`), so that timing starts with the model in memory.
     pub fn warm_up(&self) {
+        // Not the embeddings: a prompt reads one row per token.
+        self.checkpoint_matrices_per_token()
+            .par_iter()
+            .for_each(|m| m.data.populate());
+        self.experts.warm_up();
+    }
+
+    /// The checkpoint's dense matrices a decoded token reads whole: every layer's router and,
+    /// unless q8 replaced them, its attention projections and the LM head.
+    fn checkpoint_matrices_per_token(&self) -> Vec<&crate::weights::DenseMatrix> {
         let w = &self.weights;
-        // Not the embeddings: a prompt reads one row per token. Not what q8 replaced.
-        let mut dense: Vec<&crate::weights::DenseMatrix> = Vec::new();
-        if self.q8.is_none() {
-            dense.push(&w.lm_head);
-        }
+        let mut dense = Vec::new();
         for l in &w.layers {
             dense.push(&l.router);
             if self.q8.is_none() {
                 dense.extend([&l.q, &l.k, &l.v, &l.o]);
             }
         }
-        dense.par_iter().for_each(|m| m.data.populate());
-        self.experts.warm_up();
+        if self.q8.is_none() {
+            dense.push(&w.lm_head);
+        }
+        dense
     }
 
     /// A KV cache for this model holding at most `context` positions.
@@ -328,24 +336,19 @@ impl Model {
     /// Bytes of dense weights one decoded token reads: every layer's attention projections and
     /// router, the LM head and one embedding row, as the CPU tier holds them.
     pub fn dense_bytes_per_token(&self) -> usize {
+        let checkpoint: usize = self
+            .checkpoint_matrices_per_token()
+            .iter()
+            .map(|m| m.data.bytes().len())
+            .sum();
         let w = &self.weights;
-        let matrix = |m: &crate::weights::DenseMatrix| m.data.bytes().len();
-        let routers: usize = w.layers.iter().map(|l| matrix(&l.router)).sum();
         match &self.q8 {
             Some(q8) => {
                 let attention: usize = q8.layers.iter().flatten().map(|m| m.bytes()).sum();
                 let embedding_row = q8.embeddings.bytes() / q8.embeddings.rows.max(1);
-                attention + routers + q8.lm_head.bytes() + embedding_row
+                checkpoint + attention + q8.lm_head.bytes() + embedding_row
             }
-            None => {
-                let attention: usize = w
-                    .layers
-                    .iter()
-                    .map(|l| matrix(&l.q) + matrix(&l.k) + matrix(&l.v) + matrix(&l.o))
-                    .sum();
-                let embedding_row = w.embeddings.cols * w.embeddings.format.size();
-                attention + routers + matrix(&w.lm_head) + embedding_row
-            }
+            None => checkpoint + w.embeddings.cols * w.embeddings.format.size(),
         }
     }
 
