@@ -102,6 +102,11 @@ pub struct BenchRun {
     pub roofline_fraction: Option<f64>,
     /// Prefill speed of a 512-token prompt (roofline runs only).
     pub prefill_512_tokens_per_s: Option<f64>,
+    /// Where a decoded token's time went on the CPU tier, ms: attention (projections included),
+    /// experts (router and MoE), head (final norm and LM head).
+    pub decode_attention_ms_per_token: f64,
+    pub decode_experts_ms_per_token: f64,
+    pub decode_head_ms_per_token: f64,
 }
 
 /// Bytes a decode step at each of `positions` reads, on average: see `BenchRun::bytes_per_token`.
@@ -237,13 +242,17 @@ pub fn run_bench(
             context,
         };
         let mut marks: Vec<ExpertStats> = Vec::new();
+        let mut times: Vec<(f64, f64, f64)> = Vec::new();
         let started = Instant::now();
         let out = generate_observed(
             &mut session,
             &model.config,
             &ids,
             &generate_options,
-            &mut |_, _| marks.push(model.experts.stats()),
+            &mut |_, _| {
+                marks.push(model.experts.stats());
+                times.push(model.timings.millis());
+            },
         )?;
         log::debug!("run took {:.1} s", started.elapsed().as_secs_f64());
         let on_gpu = session.gpu().is_some();
@@ -262,6 +271,14 @@ pub fn run_bench(
             first_step..first_step + out.decode_tokens,
         );
         let decode_tokens_per_s = out.decode_tokens_per_s().unwrap_or(0.0);
+        let per_token = |of: fn(&(f64, f64, f64)) -> f64| (of(&times[1]) - of(&times[0])) / decoded;
+        let split = (per_token(|t| t.0), per_token(|t| t.1), per_token(|t| t.2));
+        log::info!(
+            "decode per token: attention {:.1} ms, experts {:.1} ms, head {:.1} ms",
+            split.0,
+            split.1,
+            split.2
+        );
         let achieved_bytes_per_s = bytes_per_token * decode_tokens_per_s;
         drop(session);
         // The limit of the memory this run's weights live in.
@@ -309,6 +326,9 @@ pub fn run_bench(
             bandwidth_huge_pages: bandwidth.map(|_| model.weights_in_memory),
             roofline_fraction: limit.map(|b| achieved_bytes_per_s / b),
             prefill_512_tokens_per_s,
+            decode_attention_ms_per_token: split.0,
+            decode_experts_ms_per_token: split.1,
+            decode_head_ms_per_token: split.2,
         });
         progress(done + 1, configurations.len());
     }

@@ -71,13 +71,12 @@ pub fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
 
 /// `kernel`'s dot product of one packed row with `x` in natural order.
 fn packed_dot(kernel: super::simd::PackedDot, packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
-    if kernel.arranged_input {
-        let mut split = Vec::new();
-        super::simd::arrange_packed_input(x, x.len(), &mut split);
-        (kernel.dot)(packed, scales, &split)
-    } else {
-        (kernel.dot)(packed, scales, x)
-    }
+    let mut split = Vec::new();
+    (kernel.dot)(
+        packed,
+        scales,
+        kernel.input_order.arrange(x, x.len(), &mut split),
+    )
 }
 
 /// The scalar reference of `dot_mxfp4`.
@@ -254,12 +253,7 @@ fn packed_matmul<'w>(
     row: impl Fn(usize) -> (&'w [u8], &'w [u8]) + Sync,
 ) {
     let mut split = Vec::new();
-    let input = if kernel.arranged_input {
-        super::simd::arrange_packed_input(xs, cols, &mut split);
-        &split
-    } else {
-        xs
-    };
+    let input = kernel.input_order.arrange(xs, cols, &mut split);
     let tile = |rows: std::ops::Range<usize>, inputs: &[&[f32]], sums: &mut [f32]| {
         let rows: Vec<(&[u8], &[u8])> = rows.map(&row).collect();
         (kernel.tile)(&rows, inputs, sums)

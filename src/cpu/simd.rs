@@ -154,8 +154,8 @@ pub fn float_dot_each(kernels: CpuKernels) -> FloatDotEach {
 /// inputs in the order the kernel reads.
 #[derive(Clone, Copy)]
 pub struct PackedDot {
-    /// The input must be rearranged by `arrange_packed_input` first.
-    pub arranged_input: bool,
+    /// The order the kernel reads its input in (`InputOrder::arrange` puts it there).
+    pub input_order: InputOrder,
     /// `row . x`.
     pub dot: fn(&[u8], &[u8], &[f32]) -> f32,
     /// `out[t] = row . xs[t]`, each bit-identical to `dot`'s (the row decoded once for all).
@@ -178,13 +178,13 @@ impl PackedDot {
     /// A kernel without a batched form: `dot_each` calls `dot` per input, `tile` `dot_each` per
     /// row.
     fn one_at_a_time(
-        arranged_input: bool,
+        input_order: InputOrder,
         dot: fn(&[u8], &[u8], &[f32]) -> f32,
         dot_each: PackedDotEach,
         tile: PackedTile,
     ) -> PackedDot {
         PackedDot {
-            arranged_input,
+            input_order,
             dot,
             dot_each,
             tile,
@@ -216,18 +216,21 @@ fn each_with(
 pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
     match kernels.min(detect()) {
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx512 => PackedDot {
-            arranged_input: true,
-            // Safety (both): handed out only where `detect()` found AVX-512 F/BW/VL and AVX2.
-            dot: |blocks, scales, x| unsafe { x86_512::dot_mxfp4(blocks, scales, x) },
+        CpuKernels::Avx512 if has_vbmi() => PackedDot {
+            input_order: InputOrder::GroupHalves,
+            // Safety (all): handed out only where `detect()` found AVX-512 F/BW/VL and AVX2,
+            // and `has_vbmi()` VBMI.
+            dot: |blocks, scales, x| unsafe { x86_512::folded::dot_mxfp4(blocks, scales, x) },
             dot_each: |blocks, scales, xs, out| unsafe {
-                x86_512::dot_mxfp4_each(blocks, scales, xs, out)
+                x86_512::folded::dot_mxfp4_each(blocks, scales, xs, out)
             },
-            tile: |rows, xs, out| unsafe { x86_512::mxfp4_tile(rows, xs, out) },
+            tile: |rows, xs, out| unsafe { x86_512::folded::mxfp4_tile(rows, xs, out) },
         },
         #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx512 => mxfp4_dot_per_run(),
+        #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => PackedDot::one_at_a_time(
-            false,
+            InputOrder::Natural,
             // Safety: handed out only where `detect()` found AVX2, FMA and F16C.
             |blocks, scales, x| unsafe { x86::dot_mxfp4(blocks, scales, x) },
             |blocks, scales, xs, out| {
@@ -236,7 +239,7 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
             |rows, xs, out| tile_with(mxfp4_dot(CpuKernels::Avx2).dot_each, rows, xs, out),
         ),
         _ => PackedDot::one_at_a_time(
-            false,
+            InputOrder::Natural,
             crate::cpu::matmul::dot_mxfp4_scalar,
             |blocks, scales, xs, out| {
                 each_with(
@@ -252,12 +255,42 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
     }
 }
 
+/// The AVX-512 MXFP4 kernel that scales each run's sums (no VBMI needed).
+#[cfg(target_arch = "x86_64")]
+fn mxfp4_dot_per_run() -> PackedDot {
+    assert!(detect() >= CpuKernels::Avx512);
+    PackedDot {
+        input_order: InputOrder::NibbleRuns,
+        // Safety (all): AVX-512 F/BW/VL and AVX2 were detected (asserted above).
+        dot: |blocks, scales, x| unsafe { x86_512::dot_mxfp4(blocks, scales, x) },
+        dot_each: |blocks, scales, xs, out| unsafe {
+            x86_512::dot_mxfp4_each(blocks, scales, xs, out)
+        },
+        tile: |rows, xs, out| unsafe { x86_512::mxfp4_tile(rows, xs, out) },
+    }
+}
+
+/// Whether this CPU has AVX-512 VBMI (byte permutes), detected once.
+fn has_vbmi() -> bool {
+    static VBMI: OnceLock<bool> = OnceLock::new();
+    *VBMI.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("avx512vbmi")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
 /// The group-scaled INT4 row kernel of `kernels` (the scalar reference where the CPU lacks them).
 pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
     match kernels.min(detect()) {
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx512 => PackedDot {
-            arranged_input: true,
+            input_order: InputOrder::NibbleRuns,
             // Safety (both): handed out only where `detect()` found AVX-512 F/BW/VL and AVX2.
             dot: |qweight, scales, x| unsafe { x86_512::dot_int4(qweight, scales, x) },
             dot_each: |qweight, scales, xs, out| unsafe {
@@ -267,7 +300,7 @@ pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
         },
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => PackedDot::one_at_a_time(
-            false,
+            InputOrder::Natural,
             // Safety: handed out only where `detect()` found AVX2, FMA and F16C.
             |qweight, scales, x| unsafe { x86::dot_int4(qweight, scales, x) },
             |qweight, scales, xs, out| {
@@ -276,7 +309,7 @@ pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
             |rows, xs, out| tile_with(int4_dot(CpuKernels::Avx2).dot_each, rows, xs, out),
         ),
         _ => PackedDot::one_at_a_time(
-            false,
+            InputOrder::Natural,
             crate::cpu::matmul::dot_int4_scalar,
             |qweight, scales, xs, out| {
                 each_with(
@@ -334,6 +367,52 @@ pub fn q8_tile(kernels: CpuKernels) -> PackedTile {
     }
 }
 
+/// The order a packed kernel reads its input in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InputOrder {
+    /// As given.
+    Natural,
+    /// `arrange_packed_input`'s: runs of 128 by nibble of each 32-bit word.
+    NibbleRuns,
+    /// Every group of 32 as its 16 even inputs, then its 16 odd ones.
+    GroupHalves,
+}
+
+impl InputOrder {
+    /// `x` (rows of `cols` inputs) in this order: `x` itself, or `scratch` filled with it.
+    pub fn arrange<'a>(self, x: &'a [f32], cols: usize, scratch: &'a mut Vec<f32>) -> &'a [f32] {
+        match self {
+            InputOrder::Natural => x,
+            InputOrder::NibbleRuns => {
+                arrange_packed_input(x, cols, scratch);
+                scratch
+            }
+            InputOrder::GroupHalves => {
+                arrange_group_halves(x, cols, scratch);
+                scratch
+            }
+        }
+    }
+}
+
+/// Rearranges rows of `cols` inputs into groups of 32, each its 16 even inputs then its 16 odd
+/// ones: the low and high nibbles of a group's 16 bytes.
+fn arrange_group_halves(x: &[f32], cols: usize, out: &mut Vec<f32>) {
+    assert!(
+        cols.is_multiple_of(32) && x.len().is_multiple_of(cols),
+        "packed rows hold whole groups of 32"
+    );
+    out.clear();
+    out.reserve(x.len());
+    x.chunks_exact(32).for_each(|g| push_group_halves(g, out));
+}
+
+/// Appends a group's even inputs, then its odd ones.
+fn push_group_halves(group: &[f32], out: &mut Vec<f32>) {
+    out.extend(group.iter().step_by(2));
+    out.extend(group.iter().skip(1).step_by(2));
+}
+
 /// Rearranges rows of `cols` inputs into the order the AVX-512 packed kernels read them. Each
 /// run of 128 inputs (four groups, 64 packed bytes) becomes 8 vectors of 16, vector k holding
 /// inputs `8i + k` (i = 0..16): nibble k of each 32-bit word of the packed bytes, in lane order.
@@ -353,10 +432,9 @@ pub fn arrange_packed_input(x: &[f32], cols: usize, out: &mut Vec<f32>) {
                 out.extend((0..16).map(|i| run[8 * i + k]));
             }
         }
-        for group in row[runs..].chunks_exact(32) {
-            out.extend(group.iter().step_by(2));
-            out.extend(group.iter().skip(1).step_by(2));
-        }
+        row[runs..]
+            .chunks_exact(32)
+            .for_each(|g| push_group_halves(g, out));
     }
 }
 
@@ -1371,6 +1449,9 @@ mod x86_512 {
             packed_tile(format, rows, block, (&mut out[t..], stride))
         });
     }
+
+    /// MXFP4 with the scales folded into the tables (needs VBMI).
+    pub mod folded;
 }
 
 #[cfg(test)]
@@ -1413,12 +1494,7 @@ mod tests {
 
     fn packed(kernel: PackedDot, w: &[u8], s: &[u8], x: &[f32]) -> f32 {
         let mut split = Vec::new();
-        if kernel.arranged_input {
-            arrange_packed_input(x, x.len(), &mut split);
-            (kernel.dot)(w, s, &split)
-        } else {
-            (kernel.dot)(w, s, x)
-        }
+        (kernel.dot)(w, s, kernel.input_order.arrange(x, x.len(), &mut split))
     }
 
     #[test]
@@ -1581,12 +1657,7 @@ mod tests {
                         .iter()
                         .map(|x| {
                             let mut a = Vec::new();
-                            if kernel.arranged_input {
-                                arrange_packed_input(x, n, &mut a);
-                            } else {
-                                a.extend_from_slice(x);
-                            }
-                            a
+                            kernel.input_order.arrange(x, n, &mut a).to_vec()
                         })
                         .collect();
                     let refs: Vec<&[f32]> = arranged.iter().map(Vec::as_slice).collect();
@@ -1614,6 +1685,75 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Every AVX-512 MXFP4 kernel this CPU runs: the folded one (VBMI) and the per-run one.
+    fn avx512_mxfp4_kernels() -> Vec<(&'static str, PackedDot)> {
+        let mut kernels = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        if detect() >= CpuKernels::Avx512 {
+            kernels.push(("per-run", mxfp4_dot_per_run()));
+            if has_vbmi() {
+                kernels.push(("folded", mxfp4_dot(CpuKernels::Avx512)));
+            }
+        }
+        kernels
+    }
+
+    #[test]
+    fn avx512_mxfp4_kernels_match_the_scalar_reference_at_every_scale() {
+        let n = 2880 + 32; // 22 runs and 3 groups after them
+        let mut x = values(n, 13);
+        // Groups 0, 5 and 40 get scales up to 2^127 below: small inputs keep their sums finite.
+        for g in [0, 5, 40] {
+            x[32 * g..32 * g + 32].iter_mut().for_each(|v| *v *= 1e-3);
+        }
+        let x_sum = x.iter().map(|v| v.abs()).sum::<f32>();
+        let blocks: Vec<u8> = (0..n / 2).map(|i| (i * 59 + 3) as u8).collect();
+        // Ordinary scales, then rows with scales whose folded table would overflow (253, 254):
+        // those rows must scale each group's sum instead, and give the same values.
+        let ordinary: Vec<u8> = (0..n / 32).map(|g| 110 + (g % 30) as u8).collect();
+        let mut large = ordinary.clone();
+        large[5] = 253;
+        large[40] = 254;
+        let mut at_the_edge = vec![127u8; n / 32];
+        at_the_edge[0] = 254;
+        for (name, kernel) in avx512_mxfp4_kernels() {
+            for scales in [&ordinary, &large, &at_the_edge] {
+                let mut magnitude = 0f32;
+                for (g, s) in scales.iter().enumerate() {
+                    let group: f32 = x[32 * g..32 * g + 32].iter().map(|v| v.abs()).sum();
+                    magnitude += 6.0 * group * crate::cpu::formats::e8m0_scale(*s);
+                }
+                let simd = packed(kernel, &blocks, scales, &x);
+                let scalar = dot_mxfp4_scalar(&blocks, scales, &x);
+                assert!(simd.is_finite(), "{name}: {simd}");
+                close(simd, scalar, magnitude.max(x_sum), &format!("{name} mxfp4"));
+                // The same row in a tile and through dot_each: bit-identical.
+                let mut arranged = Vec::new();
+                let input = kernel.input_order.arrange(&x, n, &mut arranged);
+                let (mut each, mut tiled) = ([0f32; 2], [0f32; 4]);
+                (kernel.dot_each)(&blocks, scales, &[input, input], &mut each);
+                let rows = [(&blocks[..], &scales[..]), (&blocks[..], &scales[..])];
+                (kernel.tile)(&rows, &[input, input], &mut tiled);
+                assert!(
+                    each.iter()
+                        .chain(&tiled)
+                        .all(|v| v.to_bits() == simd.to_bits())
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn group_halves_put_even_inputs_first() {
+        let x: Vec<f32> = (0..64).map(|i| i as f32).collect();
+        let mut arranged = Vec::new();
+        let got = InputOrder::GroupHalves.arrange(&x, 64, &mut arranged);
+        let expected: Vec<f32> = (0..2)
+            .flat_map(|g| (0..32).map(move |k| (32 * g + 2 * (k % 16) + k / 16) as f32))
+            .collect();
+        assert_eq!(got, expected);
     }
 
     #[test]

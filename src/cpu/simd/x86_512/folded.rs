@@ -1,0 +1,316 @@
+//! MXFP4 rows with each group's scale folded into the weight table (AVX-512 with VBMI).
+//!
+//! An E8M0 scale is a power of two, so `scale * table[nibble]` is exact: one 16-entry table per
+//! scale byte (256 of them, 16 KiB) turns a nibble straight into its scaled weight, and a row's
+//! products add up in running sums with no per-group multiply. A 64-byte run holds four groups;
+//! one byte permute (VBMI) puts byte i of each group into 32-bit word i, so shifting the words by
+//! 4k leaves nibble k of every word from one group (k / 2), and one table permute per shift gives
+//! 16 weights of that group. Per 128 weights: 1 byte permute, 7 shifts, 8 table permutes (the
+//! table read from memory) and 8 multiply-adds, against 26 vector instructions when the scales
+//! are applied per run.
+//!
+//! Inputs are read per group as its 16 even inputs then its 16 odd ones
+//! (`InputOrder::GroupHalves`). Rows with a scale of 253 or more (where a scaled table entry would
+//! overflow or be NaN while the scaled sum might not) multiply each group's sum by its scale
+//! instead, in the same input order.
+
+use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+use super::super::TILE_ROWS;
+use super::super::x86::prefetch_ahead;
+use crate::cpu::formats::{FP4_VALUES, e8m0_scale};
+
+/// The 16 FP4 values times one scale, aligned for one vector load.
+#[repr(C, align(64))]
+struct ScaledTable([f32; 16]);
+
+/// `FP4_VALUES * e8m0_scale(s)` for every scale byte `s`.
+fn scaled_tables() -> &'static [ScaledTable; 256] {
+    static TABLES: OnceLock<Box<[ScaledTable; 256]>> = OnceLock::new();
+    TABLES.get_or_init(|| {
+        Box::new(std::array::from_fn(|s| {
+            let scale = e8m0_scale(s as u8);
+            ScaledTable(std::array::from_fn(|n| FP4_VALUES[n] * scale))
+        }))
+    })
+}
+
+/// The smallest scale byte whose folded table is not exact: 6 * 2^(253 - 127) overflows f32.
+const FIRST_UNFOLDABLE_SCALE: u8 = 253;
+
+/// Whether every scale of a row folds into its table exactly.
+fn folds(scales: &[u8]) -> bool {
+    scales.iter().fold(0u8, |m, &s| m.max(s)) < FIRST_UNFOLDABLE_SCALE
+}
+
+/// Byte p of a permuted run is byte p / 4 of group p % 4.
+const RUN_TRANSPOSE: [u8; 64] = {
+    let mut index = [0u8; 64];
+    let mut p = 0;
+    while p < 64 {
+        index[p] = (16 * (p % 4) + p / 4) as u8;
+        p += 1;
+    }
+    index
+};
+
+/// Four running sums per input (the vectors of a run alternate between them so that one
+/// multiply-add does not wait on the one before).
+type Sums<const T: usize> = [[__m512; 4]; T];
+
+/// One packed row and what its kernel needs: bytes, scale bytes, whether the scales fold.
+#[derive(Clone, Copy)]
+struct Row<'a> {
+    packed: &'a [u8],
+    scales: &'a [u8],
+    folds: bool,
+}
+
+impl<'a> Row<'a> {
+    fn new(packed: &'a [u8], scales: &'a [u8]) -> Row<'a> {
+        let groups = packed.len() / 16;
+        assert!(
+            packed.len() == 16 * groups && scales.len() == groups,
+            "an MXFP4 row holds 16 bytes and one scale per group"
+        );
+        Row {
+            packed,
+            scales,
+            folds: folds(scales),
+        }
+    }
+
+    fn groups(&self) -> usize {
+        self.scales.len()
+    }
+}
+
+/// Adds runs `runs` of a folding row times `T` inputs to `sums`.
+///
+/// # Safety
+/// AVX-512 F/BW/VL and VBMI; every input holds 32 values per group of the row.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
+#[inline]
+unsafe fn folded_runs<const T: usize>(
+    row: Row,
+    xs: [&[f32]; T],
+    runs: std::ops::Range<usize>,
+    sums: &mut Sums<T>,
+) {
+    assert!(runs.end <= row.groups() / 4 && xs.iter().all(|x| x.len() == 32 * row.groups()));
+    let (p, s) = (row.packed.as_ptr(), row.scales.as_ptr());
+    let tables = scaled_tables().as_ptr();
+    // Safety: RUN_TRANSPOSE holds 64 bytes.
+    let transpose = unsafe { _mm512_loadu_si512(RUN_TRANSPOSE.as_ptr().cast()) };
+    let mut acc = *sums;
+    for c in runs {
+        prefetch_ahead(p.wrapping_add(64 * c), 64);
+        // Safety: run c's 64 bytes and 4 scales exist (c < groups / 4, asserted above); a scale
+        // byte indexes one of the 256 tables.
+        let (words, table) = unsafe {
+            let words =
+                _mm512_permutexvar_epi8(transpose, _mm512_loadu_si512(p.add(64 * c).cast()));
+            let table = |j: usize| _mm512_load_ps(tables.add(*s.add(4 * c + j) as usize).cast());
+            (words, [table(0), table(1), table(2), table(3)])
+        };
+        let weights = |k: usize| {
+            let index = match k {
+                0 => words,
+                1 => _mm512_srli_epi32::<4>(words),
+                2 => _mm512_srli_epi32::<8>(words),
+                3 => _mm512_srli_epi32::<12>(words),
+                4 => _mm512_srli_epi32::<16>(words),
+                5 => _mm512_srli_epi32::<20>(words),
+                6 => _mm512_srli_epi32::<24>(words),
+                _ => _mm512_srli_epi32::<28>(words),
+            };
+            _mm512_permutexvar_ps(index, table[k / 2])
+        };
+        for k in 0..8 {
+            let w = weights(k);
+            for (a, x) in acc.iter_mut().zip(&xs) {
+                // Safety: run c's 128 inputs are in bounds (asserted above).
+                let x = unsafe { _mm512_loadu_ps(x.as_ptr().add(128 * c + 16 * k)) };
+                a[k % 4] = _mm512_fmadd_ps(w, x, a[k % 4]);
+            }
+        }
+    }
+    *sums = acc;
+}
+
+/// Adds groups `groups` of a row times `T` inputs to `sums`, one group at a time: through the
+/// folded tables where the row folds, else through the plain table with the group's sum scaled.
+///
+/// # Safety
+/// As `folded_runs`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
+#[inline]
+unsafe fn single_groups<const T: usize>(
+    row: Row,
+    xs: [&[f32]; T],
+    groups: std::ops::Range<usize>,
+    sums: &mut Sums<T>,
+) {
+    assert!(groups.end <= row.groups() && xs.iter().all(|x| x.len() == 32 * row.groups()));
+    let tables = scaled_tables();
+    // The unscaled values: the table of scale 2^0.
+    let plain = &tables[127];
+    for g in groups {
+        let scale = row.scales[g];
+        let table = if row.folds {
+            &tables[scale as usize]
+        } else {
+            plain
+        };
+        // Safety: group g's 16 bytes exist (asserted above); the table holds 16 floats.
+        let (low, high) = unsafe {
+            let codes =
+                _mm512_cvtepu8_epi32(_mm_loadu_si128(row.packed.as_ptr().add(16 * g).cast()));
+            let table = _mm512_load_ps(table.0.as_ptr());
+            (
+                _mm512_permutexvar_ps(codes, table),
+                _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(codes), table),
+            )
+        };
+        for (a, x) in sums.iter_mut().zip(&xs) {
+            // Safety: group g's 32 inputs are in bounds (asserted above).
+            let (even, odd) = unsafe {
+                let x = x.as_ptr().add(32 * g);
+                (_mm512_loadu_ps(x), _mm512_loadu_ps(x.add(16)))
+            };
+            if row.folds {
+                a[0] = _mm512_fmadd_ps(low, even, a[0]);
+                a[1] = _mm512_fmadd_ps(high, odd, a[1]);
+            } else {
+                let sum = _mm512_fmadd_ps(high, odd, _mm512_mul_ps(low, even));
+                a[0] = _mm512_fmadd_ps(sum, _mm512_set1_ps(e8m0_scale(scale)), a[0]);
+            }
+        }
+    }
+}
+
+/// Adds groups `groups` (starting at a multiple of 4) of a row times `T` inputs to `sums`: whole
+/// runs, then single groups. However a row's groups are split into calls, each sum sees the same
+/// additions in the same order.
+///
+/// # Safety
+/// As `folded_runs`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
+#[inline]
+unsafe fn row_groups<const T: usize>(
+    row: Row,
+    xs: [&[f32]; T],
+    groups: std::ops::Range<usize>,
+    sums: &mut Sums<T>,
+) {
+    assert!(groups.start.is_multiple_of(4));
+    let runs_end = if row.folds {
+        groups.end.min(4 * (row.groups() / 4)).max(groups.start)
+    } else {
+        groups.start
+    };
+    // Safety: the caller's guarantees.
+    unsafe {
+        folded_runs(row, xs, groups.start / 4..runs_end / 4, sums);
+        single_groups(row, xs, runs_end..groups.end, sums);
+    }
+}
+
+/// Each input's sums added up: its dot product with the row.
+#[target_feature(enable = "avx512f")]
+fn reduce<const T: usize>(sums: &Sums<T>) -> [f32; T] {
+    std::array::from_fn(|t| {
+        let [a, b, c, d] = sums[t];
+        _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(c, d)))
+    })
+}
+
+/// One row times `T` inputs.
+///
+/// # Safety
+/// As `folded_runs`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
+#[inline]
+unsafe fn row_dots<const T: usize>(row: Row, xs: [&[f32]; T]) -> [f32; T] {
+    let mut sums = [[_mm512_setzero_ps(); 4]; T];
+    // Safety: the caller's guarantees.
+    unsafe { row_groups(row, xs, 0..row.groups(), &mut sums) };
+    reduce(&sums)
+}
+
+/// # Safety
+/// AVX-512 F/BW/VL and VBMI, AVX2, FMA and F16C; `scales` holds one E8M0 byte per 16 bytes of
+/// `blocks` and `x` 32 inputs per group in `InputOrder::GroupHalves`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
+pub unsafe fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+    // Safety: the caller's guarantees.
+    unsafe { row_dots(Row::new(blocks, scales), [x])[0] }
+}
+
+/// # Safety
+/// As `dot_mxfp4`, for every input.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
+pub unsafe fn dot_mxfp4_each(blocks: &[u8], scales: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+    let row = Row::new(blocks, scales);
+    // Safety: the caller's guarantees.
+    in_blocks_of_four!(xs, out, |block| unsafe { row_dots(row, block) });
+}
+
+/// Groups a tile works through before moving to the next row: the inputs' slices of a block
+/// (8 KiB for 4 inputs) stay in L1 while every row of the tile reads them.
+const TILE_GROUPS: usize = 16;
+
+/// Each of `rows` (at most `TILE_ROWS`) times `T` inputs, block of groups by block of groups:
+/// `out[r * stride + t]`. Bit-identical to `row_dots`.
+///
+/// # Safety
+/// As `folded_runs`, for every row.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
+#[inline]
+unsafe fn tile_dots<const T: usize>(
+    rows: &[Row],
+    xs: [&[f32]; T],
+    (out, stride): (&mut [f32], usize),
+) {
+    assert!(rows.len() <= TILE_ROWS);
+    let mut sums = [[[_mm512_setzero_ps(); 4]; T]; TILE_ROWS];
+    let groups = rows.first().map_or(0, Row::groups);
+    let mut start = 0;
+    while start < groups {
+        let end = (start + TILE_GROUPS).min(groups);
+        for (row, sums) in rows.iter().zip(sums.iter_mut()) {
+            // Safety: the caller's guarantees.
+            unsafe { row_groups(*row, xs, start..end, sums) };
+        }
+        start = end;
+    }
+    for (r, sums) in sums.iter().take(rows.len()).enumerate() {
+        out[r * stride..r * stride + T].copy_from_slice(&reduce(sums));
+    }
+}
+
+/// Rows (packed bytes, scale bytes; at most `TILE_ROWS`, all as long) times every input:
+/// `out[r * xs.len() + t]`.
+///
+/// # Safety
+/// As `dot_mxfp4`, for every row and input.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
+pub unsafe fn mxfp4_tile(rows: &[(&[u8], &[u8])], xs: &[&[f32]], out: &mut [f32]) {
+    assert!(rows.len() <= TILE_ROWS);
+    let mut tile = [Row {
+        packed: &[],
+        scales: &[],
+        folds: true,
+    }; TILE_ROWS];
+    for (slot, &(packed, scales)) in tile.iter_mut().zip(rows) {
+        *slot = Row::new(packed, scales);
+    }
+    let rows = &tile[..rows.len()];
+    assert!(rows.iter().all(|r| r.groups() == rows[0].groups()));
+    let stride = xs.len();
+    // Safety: the caller's guarantees.
+    for_blocks_of_four!(xs, |block, t| unsafe {
+        tile_dots(rows, block, (&mut out[t..], stride))
+    });
+}
