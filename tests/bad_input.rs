@@ -420,11 +420,8 @@ fn speed_options_out_of_range_are_clear_errors() {
 fn q8_and_thread_options_run_through_the_cli() {
     let dir = fixtures_dir().join("tiny-single");
     let dir = dir.to_str().unwrap();
-    for extra in [
-        &["--dense-format", "q8", "--backend", "cpu"][..],
-        &["--mmap", "on", "--threads", "1", "--backend", "cpu"][..],
-        &["--mmap", "off", "--backend", "cpu"][..],
-    ] {
+    // `generate` of `max_new_tokens` after the prompt 1,2,3 on the CPU tier, plus `extra`.
+    let generate = |max_new_tokens: &'static str, extra: &[&'static str]| {
         let mut args = vec![
             "generate",
             "--model",
@@ -432,29 +429,25 @@ fn q8_and_thread_options_run_through_the_cli() {
             "--ids",
             "1,2,3",
             "--max-new-tokens",
-            "4",
+            max_new_tokens,
+            "--backend",
+            "cpu",
         ];
         args.extend_from_slice(extra);
+        args
+    };
+    for extra in [
+        &["--dense-format", "q8"][..],
+        &["--mmap", "on", "--threads", "1"][..],
+        &["--mmap", "off"][..],
+    ] {
+        let args = generate("4", extra);
         let (ok, stdout, stderr) = picchio(&args);
         assert!(ok, "{args:?}: {stderr}");
         assert_eq!(stdout.split_whitespace().count(), 4, "{args:?}: {stdout}");
     }
     // Mapped or copied, one thread or several: the same tokens.
-    let tokens = |extra: &[&str]| {
-        let mut args = vec![
-            "generate",
-            "--model",
-            dir,
-            "--ids",
-            "1,2,3",
-            "--max-new-tokens",
-            "8",
-            "--backend",
-            "cpu",
-        ];
-        args.extend_from_slice(extra);
-        picchio(&args).1
-    };
+    let tokens = |extra: &[&'static str]| picchio(&generate("8", extra)).1;
     let reference = tokens(&[]);
     assert_eq!(tokens(&["--mmap", "on", "--threads", "1"]), reference);
     assert_eq!(tokens(&["--mmap", "off", "--threads", "2"]), reference);

@@ -258,15 +258,16 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
 /// The AVX-512 MXFP4 kernel that scales each run's sums (no VBMI needed).
 #[cfg(target_arch = "x86_64")]
 fn mxfp4_dot_per_run() -> PackedDot {
+    const MXFP4: x86_512::PackedFormat = x86_512::PackedFormat::Mxfp4;
     assert!(detect() >= CpuKernels::Avx512);
     PackedDot {
         input_order: InputOrder::NibbleRuns,
         // Safety (all): AVX-512 F/BW/VL and AVX2 were detected (asserted above).
-        dot: |blocks, scales, x| unsafe { x86_512::dot_mxfp4(blocks, scales, x) },
+        dot: |blocks, scales, x| unsafe { x86_512::dot_packed_row(MXFP4, blocks, scales, x) },
         dot_each: |blocks, scales, xs, out| unsafe {
-            x86_512::dot_mxfp4_each(blocks, scales, xs, out)
+            x86_512::dot_packed_each(MXFP4, blocks, scales, xs, out)
         },
-        tile: |rows, xs, out| unsafe { x86_512::mxfp4_tile(rows, xs, out) },
+        tile: |rows, xs, out| unsafe { x86_512::packed_rows_tile(MXFP4, rows, xs, out) },
     }
 }
 
@@ -287,16 +288,18 @@ fn has_vbmi() -> bool {
 
 /// The group-scaled INT4 row kernel of `kernels` (the scalar reference where the CPU lacks them).
 pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
+    #[cfg(target_arch = "x86_64")]
+    const INT4: x86_512::PackedFormat = x86_512::PackedFormat::Int4;
     match kernels.min(detect()) {
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx512 => PackedDot {
             input_order: InputOrder::NibbleRuns,
             // Safety (both): handed out only where `detect()` found AVX-512 F/BW/VL and AVX2.
-            dot: |qweight, scales, x| unsafe { x86_512::dot_int4(qweight, scales, x) },
+            dot: |qweight, scales, x| unsafe { x86_512::dot_packed_row(INT4, qweight, scales, x) },
             dot_each: |qweight, scales, xs, out| unsafe {
-                x86_512::dot_int4_each(qweight, scales, xs, out)
+                x86_512::dot_packed_each(INT4, qweight, scales, xs, out)
             },
-            tile: |rows, xs, out| unsafe { x86_512::int4_tile(rows, xs, out) },
+            tile: |rows, xs, out| unsafe { x86_512::packed_rows_tile(INT4, rows, xs, out) },
         },
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => PackedDot::one_at_a_time(
@@ -367,6 +370,14 @@ pub fn q8_tile(kernels: CpuKernels) -> PackedTile {
     }
 }
 
+/// `0..len` in consecutive ranges of `size` (the last may be shorter): the blocks a cache-blocked
+/// tile works through.
+fn blocks(len: usize, size: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    (0..len)
+        .step_by(size)
+        .map(move |start| start..(start + size).min(len))
+}
+
 /// The order a packed kernel reads its input in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum InputOrder {
@@ -418,7 +429,7 @@ fn push_group_halves(group: &[f32], out: &mut Vec<f32>) {
 /// inputs `8i + k` (i = 0..16): nibble k of each 32-bit word of the packed bytes, in lane order.
 /// The last groups of a row that make no whole run become their 16 even inputs then their 16
 /// odd ones: the low and high nibbles of their 16 bytes.
-pub fn arrange_packed_input(x: &[f32], cols: usize, out: &mut Vec<f32>) {
+fn arrange_packed_input(x: &[f32], cols: usize, out: &mut Vec<f32>) {
     assert!(
         cols.is_multiple_of(32) && x.len().is_multiple_of(cols),
         "packed rows hold whole groups of 32"
@@ -867,14 +878,11 @@ mod x86_512 {
         assert!(rows.len() <= TILE_ROWS);
         let mut totals = [FloatTotals([[_mm512_setzero_ps(); 4]; T]); TILE_ROWS];
         let steps = rows.first().map_or(0, |r| r.len() / format.size() / 64);
-        let mut start = 0;
-        while start < steps {
-            let end = (start + 8).min(steps);
+        for block in super::blocks(steps, 8) {
             for (row, totals) in rows.iter().zip(totals.iter_mut()) {
                 // Safety: the caller's guarantees.
-                unsafe { float_steps(format, row, xs, start..end, totals) };
+                unsafe { float_steps(format, row, xs, block.clone(), totals) };
             }
-            start = end;
         }
         for (r, (row, totals)) in rows.iter().zip(totals).enumerate() {
             // Safety: the caller's guarantees.
@@ -1108,14 +1116,11 @@ mod x86_512 {
         assert!(rows.len() <= TILE_ROWS);
         let mut totals = [Totals::<T>::zero(); TILE_ROWS];
         let runs = rows.first().map_or(0, |(p, _)| p.len() / 64);
-        let mut start = 0;
-        while start < runs {
-            let end = (start + TILE_RUNS).min(runs);
+        for block in super::blocks(runs, TILE_RUNS) {
             for (row, totals) in rows.iter().zip(totals.iter_mut()) {
                 // Safety: the caller's guarantees.
-                unsafe { packed_runs(format, *row, xs, start..end, totals) };
+                unsafe { packed_runs(format, *row, xs, block.clone(), totals) };
             }
-            start = end;
         }
         for (r, (row, totals)) in rows.iter().zip(totals).enumerate() {
             // Safety: the caller's guarantees.
@@ -1324,14 +1329,11 @@ mod x86_512 {
         assert!(rows.len() <= TILE_ROWS);
         let mut totals = [Totals::<T>::zero(); TILE_ROWS];
         let groups = rows.first().map_or(0, |(v, _)| v.len() / 32);
-        let mut start = 0;
-        while start < groups {
-            let end = (start + 16).min(groups);
+        for block in super::blocks(groups, 16) {
             for (row, totals) in rows.iter().zip(totals.iter_mut()) {
                 // Safety: the caller's guarantees.
-                unsafe { q8_groups(*row, xs, start..end, totals) };
+                unsafe { q8_groups(*row, xs, block.clone(), totals) };
             }
-            start = end;
         }
         for (r, totals) in totals.iter().take(rows.len()).enumerate() {
             out[r * stride..r * stride + T].copy_from_slice(&reduce_totals(totals));
@@ -1376,74 +1378,70 @@ mod x86_512 {
         unsafe { _mm512_loadu_ps(CENTERED.as_ptr()) }
     }
 
-    /// MXFP4: E2M1 weights, one E8M0 scale byte per group.
-    fn mxfp4_format() -> (__m512, DecodeScales) {
-        (fp4_table(), DecodeScales::E8m0)
+    /// A packed 4-bit row format the per-run kernels read.
+    #[derive(Clone, Copy)]
+    pub enum PackedFormat {
+        /// MXFP4: E2M1 weights, one E8M0 scale byte per group.
+        Mxfp4,
+        /// Group-scaled INT4: nibble - 8, one little-endian f16 scale per group.
+        Int4,
     }
 
-    /// Group-scaled INT4: nibble - 8, one f16 scale per group.
-    fn int4_format() -> (__m512, DecodeScales) {
-        (int4_table(), DecodeScales::F16)
+    impl PackedFormat {
+        /// The values by 4-bit code and how the group scales decode.
+        #[target_feature(enable = "avx512f")]
+        fn parts(self) -> (__m512, DecodeScales) {
+            match self {
+                PackedFormat::Mxfp4 => (fp4_table(), DecodeScales::E8m0),
+                PackedFormat::Int4 => (int4_table(), DecodeScales::F16),
+            }
+        }
     }
 
-    /// # Safety
-    /// As `packed_runs`; `scales` holds one E8M0 byte per group.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub unsafe fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
-        // Safety: the caller's guarantees.
-        unsafe { dot_packed(mxfp4_format(), (blocks, scales), [x])[0] }
-    }
-
-    /// # Safety
-    /// As `dot_mxfp4`, for every input.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub unsafe fn dot_mxfp4_each(blocks: &[u8], scales: &[u8], xs: &[&[f32]], out: &mut [f32]) {
-        let format = mxfp4_format();
-        // Safety: the caller's guarantees.
-        in_blocks_of_four!(xs, out, |block| unsafe {
-            dot_packed(format, (blocks, scales), block)
-        });
-    }
-
-    /// Rows (at most `TILE_ROWS`) times every input: `out[r * xs.len() + t]`.
+    /// One row of `format` times `x`.
     ///
     /// # Safety
-    /// As `dot_mxfp4`, for every row and input.
+    /// As `packed_runs`; `scales` holds the format's scale per group.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub unsafe fn mxfp4_tile(rows: &[(&[u8], &[u8])], xs: &[&[f32]], out: &mut [f32]) {
-        let (format, stride) = (mxfp4_format(), xs.len());
+    pub unsafe fn dot_packed_row(
+        format: PackedFormat,
+        packed: &[u8],
+        scales: &[u8],
+        x: &[f32],
+    ) -> f32 {
         // Safety: the caller's guarantees.
-        for_blocks_of_four!(xs, |block, t| unsafe {
-            packed_tile(format, rows, block, (&mut out[t..], stride))
-        });
+        unsafe { dot_packed(format.parts(), (packed, scales), [x])[0] }
     }
 
     /// # Safety
-    /// As `packed_runs`; `scales` holds one little-endian f16 per group.
+    /// As `dot_packed_row`, for every input.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub unsafe fn dot_int4(qweight: &[u8], scales: &[u8], x: &[f32]) -> f32 {
-        // Safety: the caller's guarantees.
-        unsafe { dot_packed(int4_format(), (qweight, scales), [x])[0] }
-    }
-
-    /// # Safety
-    /// As `dot_int4`, for every input.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub unsafe fn dot_int4_each(qweight: &[u8], scales: &[u8], xs: &[&[f32]], out: &mut [f32]) {
-        let format = int4_format();
+    pub unsafe fn dot_packed_each(
+        format: PackedFormat,
+        packed: &[u8],
+        scales: &[u8],
+        xs: &[&[f32]],
+        out: &mut [f32],
+    ) {
+        let format = format.parts();
         // Safety: the caller's guarantees.
         in_blocks_of_four!(xs, out, |block| unsafe {
-            dot_packed(format, (qweight, scales), block)
+            dot_packed(format, (packed, scales), block)
         });
     }
 
-    /// Rows (at most `TILE_ROWS`) times every input: `out[r * xs.len() + t]`.
+    /// Rows (at most `TILE_ROWS`) of `format` times every input: `out[r * xs.len() + t]`.
     ///
     /// # Safety
-    /// As `dot_int4`, for every row and input.
+    /// As `dot_packed_row`, for every row and input.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub unsafe fn int4_tile(rows: &[(&[u8], &[u8])], xs: &[&[f32]], out: &mut [f32]) {
-        let (format, stride) = (int4_format(), xs.len());
+    pub unsafe fn packed_rows_tile(
+        format: PackedFormat,
+        rows: &[(&[u8], &[u8])],
+        xs: &[&[f32]],
+        out: &mut [f32],
+    ) {
+        let (format, stride) = (format.parts(), xs.len());
         // Safety: the caller's guarantees.
         for_blocks_of_four!(xs, |block, t| unsafe {
             packed_tile(format, rows, block, (&mut out[t..], stride))

@@ -276,14 +276,11 @@ unsafe fn tile_dots<const T: usize>(
     assert!(rows.len() <= TILE_ROWS);
     let mut sums = [[[_mm512_setzero_ps(); 4]; T]; TILE_ROWS];
     let groups = rows.first().map_or(0, Row::groups);
-    let mut start = 0;
-    while start < groups {
-        let end = (start + TILE_GROUPS).min(groups);
+    for block in super::super::blocks(groups, TILE_GROUPS) {
         for (row, sums) in rows.iter().zip(sums.iter_mut()) {
             // Safety: the caller's guarantees.
-            unsafe { row_groups(*row, xs, start..end, sums) };
+            unsafe { row_groups(*row, xs, block.clone(), sums) };
         }
-        start = end;
     }
     for (r, sums) in sums.iter().take(rows.len()).enumerate() {
         out[r * stride..r * stride + T].copy_from_slice(&reduce(sums));
