@@ -532,21 +532,22 @@ pub struct Mxfp4Experts {
     pub stride: ExpertStride,
 }
 
-/// The packed bytes and the scale bytes of row `r` of expert `e`, for 4-bit experts with
-/// `scale_size` bytes per 32 inputs.
-fn packed_row<'a>(
+/// The packed bytes and the scale bytes of rows `range` of expert `e` (back to back), for 4-bit
+/// experts with `scale_size` bytes per 32 inputs.
+fn packed_rows<'a>(
     (rows, cols, stride): (usize, usize, ExpertStride),
     (packed, scales, scale_size): (&'a TensorBytes, &'a TensorBytes, usize),
     e: usize,
-    r: usize,
+    range: std::ops::Range<usize>,
 ) -> (&'a [u8], &'a [u8]) {
+    assert!(range.end <= rows, "rows {range:?} of a {rows}-row expert");
     let groups = cols / 32;
     let (row_bytes, row_scales) = (groups * 16, groups * scale_size);
-    let w0 = e * stride.of(rows * row_bytes) + r * row_bytes;
-    let s0 = e * stride.of(rows * row_scales) + r * row_scales;
+    let w0 = e * stride.of(rows * row_bytes);
+    let s0 = e * stride.of(rows * row_scales);
     (
-        &packed.bytes()[w0..w0 + row_bytes],
-        &scales.bytes()[s0..s0 + row_scales],
+        &packed.bytes()[w0 + range.start * row_bytes..w0 + range.end * row_bytes],
+        &scales.bytes()[s0 + range.start * row_scales..s0 + range.end * row_scales],
     )
 }
 
@@ -570,8 +571,13 @@ impl Mxfp4Experts {
 
     /// The packed bytes and scales of row `r` of expert `e`.
     pub fn row(&self, e: usize, r: usize) -> (&[u8], &[u8]) {
+        self.rows_of(e, r..r + 1)
+    }
+
+    /// Rows `range` of expert `e`, back to back: (blocks, scales).
+    pub fn rows_of(&self, e: usize, range: std::ops::Range<usize>) -> (&[u8], &[u8]) {
         let shape = (self.rows, self.cols, self.stride);
-        packed_row(shape, (&self.blocks, &self.scales, 1), e, r)
+        packed_rows(shape, (&self.blocks, &self.scales, 1), e, range)
     }
 }
 
@@ -608,8 +614,13 @@ impl Int4Experts {
 
     /// The packed bytes and f16 scale bytes of row `r` of expert `e`.
     pub fn row(&self, e: usize, r: usize) -> (&[u8], &[u8]) {
+        self.rows_of(e, r..r + 1)
+    }
+
+    /// Rows `range` of expert `e`, back to back: (packed values, scales).
+    pub fn rows_of(&self, e: usize, range: std::ops::Range<usize>) -> (&[u8], &[u8]) {
         let shape = (self.rows, self.cols, self.stride);
-        packed_row(shape, (&self.qweight, &self.scales, 2), e, r)
+        packed_rows(shape, (&self.qweight, &self.scales, 2), e, range)
     }
 }
 

@@ -12,6 +12,17 @@ use crate::weights::{
 
 const LANES: usize = 8;
 
+/// Rows one parallel task computes for a single token (decode): enough that a task's bytes
+/// (92 KB of an MXFP4 expert's rows) outweigh its scheduling.
+const ROWS_PER_TASK: usize = 64;
+
+/// `acc[i] += x[i]`.
+fn add_into(acc: &mut [f32], x: &[f32]) {
+    for (a, b) in acc.iter_mut().zip(x) {
+        *a += b;
+    }
+}
+
 #[inline(always)]
 fn reduce(acc: [f32; LANES]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
@@ -157,13 +168,15 @@ pub(crate) fn rows_times_tokens(
     }
     let inputs: Vec<&[f32]> = xs.chunks_exact(cols).collect();
     if tokens == 1 {
-        out.par_chunks_mut(64).enumerate().for_each(|(chunk, ys)| {
-            for (k, y) in ys.iter_mut().enumerate() {
-                let r = chunk * 64 + k;
-                dot_each(r, &inputs, std::slice::from_mut(y));
-                *y += bias.map_or(0.0, |b| b[r]);
-            }
-        });
+        out.par_chunks_mut(ROWS_PER_TASK)
+            .enumerate()
+            .for_each(|(chunk, ys)| {
+                for (k, y) in ys.iter_mut().enumerate() {
+                    let r = chunk * ROWS_PER_TASK + k;
+                    dot_each(r, &inputs, std::slice::from_mut(y));
+                    *y += bias.map_or(0.0, |b| b[r]);
+                }
+            });
         return;
     }
     // Each row's weights are read (and decoded) once for all tokens.
@@ -224,8 +237,8 @@ pub fn mxfp4_matmul(
     out: &mut [f32],
 ) {
     let kernel = super::simd::mxfp4_dot(super::simd::kernels());
-    packed_matmul(kernel, (w.rows, w.cols), xs, bias, out, |r| {
-        w.row(expert, r)
+    packed_matmul(kernel, (w.rows, w.cols), xs, bias, out, |rows| {
+        w.rows_of(expert, rows)
     });
 }
 
@@ -238,24 +251,40 @@ pub fn int4_matmul(
     out: &mut [f32],
 ) {
     let kernel = super::simd::int4_dot(super::simd::kernels());
-    packed_matmul(kernel, (w.rows, w.cols), xs, bias, out, |r| {
-        w.row(expert, r)
+    packed_matmul(kernel, (w.rows, w.cols), xs, bias, out, |rows| {
+        w.rows_of(expert, rows)
     });
 }
 
 /// A packed 4-bit linear layer: the input rearranged once for `kernel`, then every row.
+/// `rows_of(range)` gives those rows' packed bytes and scales, back to back.
 fn packed_matmul<'w>(
     kernel: super::simd::PackedDot,
     (rows, cols): (usize, usize),
     xs: &[f32],
     bias: Option<&[f32]>,
     out: &mut [f32],
-    row: impl Fn(usize) -> (&'w [u8], &'w [u8]) + Sync,
+    rows_of: impl Fn(std::ops::Range<usize>) -> (&'w [u8], &'w [u8]) + Sync,
 ) {
     let mut split = Vec::new();
     let input = kernel.input_order.arrange(xs, cols, &mut split);
+    if xs.len() == cols && out.len() == rows {
+        // Decode: each task's rows straight through the kernel's row loop.
+        out.par_chunks_mut(ROWS_PER_TASK)
+            .enumerate()
+            .for_each(|(chunk, ys)| {
+                let first = chunk * ROWS_PER_TASK;
+                let (packed, scales) = rows_of(first..first + ys.len());
+                (kernel.rows)(packed, scales, input, ys);
+                if let Some(b) = bias {
+                    add_into(ys, &b[first..first + ys.len()]);
+                }
+            });
+        return;
+    }
+    let row = |r: usize| rows_of(r..r + 1);
     let tile = |rows: std::ops::Range<usize>, inputs: &[&[f32]], sums: &mut [f32]| {
-        let rows: Vec<(&[u8], &[u8])> = rows.map(&row).collect();
+        let rows: Vec<(&[u8], &[u8])> = rows.map(row).collect();
         (kernel.tile)(&rows, inputs, sums)
     };
     rows_times_tokens(

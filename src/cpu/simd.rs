@@ -163,7 +163,13 @@ pub struct PackedDot {
     /// Rows (packed, scales; at most `TILE_ROWS`) times every input, `out[r * xs.len() + t]`,
     /// each bit-identical to `dot`'s: a cache-blocked `dot_each` over several rows.
     pub tile: PackedTile,
+    /// Consecutive rows times one input (decode): `packed` and `scales` hold `out.len()` rows
+    /// back to back, `out[i] = row i . x`, each bit-identical to `dot`'s.
+    pub rows: PackedRows,
 }
+
+/// See `PackedDot::rows`.
+pub type PackedRows = fn(&[u8], &[u8], &[f32], &mut [f32]);
 
 /// See `PackedDot::dot_each`.
 pub type PackedDotEach = fn(&[u8], &[u8], &[&[f32]], &mut [f32]);
@@ -182,13 +188,35 @@ impl PackedDot {
         dot: fn(&[u8], &[u8], &[f32]) -> f32,
         dot_each: PackedDotEach,
         tile: PackedTile,
+        rows: PackedRows,
     ) -> PackedDot {
         PackedDot {
             input_order,
             dot,
             dot_each,
             tile,
+            rows,
         }
+    }
+}
+
+/// A `PackedRows` of `dot` row by row.
+fn rows_with(
+    dot: fn(&[u8], &[u8], &[f32]) -> f32,
+    packed: &[u8],
+    scales: &[u8],
+    x: &[f32],
+    out: &mut [f32],
+) {
+    if out.is_empty() {
+        return;
+    }
+    let (row_bytes, row_scales) = (packed.len() / out.len(), scales.len() / out.len());
+    let rows = packed
+        .chunks_exact(row_bytes)
+        .zip(scales.chunks_exact(row_scales));
+    for ((packed, scales), y) in rows.zip(out) {
+        *y = dot(packed, scales, x);
     }
 }
 
@@ -225,6 +253,9 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
                 x86_512::folded::dot_mxfp4_each(blocks, scales, xs, out)
             },
             tile: |rows, xs, out| unsafe { x86_512::folded::mxfp4_tile(rows, xs, out) },
+            rows: |blocks, scales, x, out| unsafe {
+                x86_512::folded::dot_mxfp4_rows(blocks, scales, x, out)
+            },
         },
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx512 => mxfp4_dot_per_run(),
@@ -237,6 +268,9 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
                 each_with(mxfp4_dot(CpuKernels::Avx2).dot, blocks, scales, xs, out)
             },
             |rows, xs, out| tile_with(mxfp4_dot(CpuKernels::Avx2).dot_each, rows, xs, out),
+            |blocks, scales, x, out| {
+                rows_with(mxfp4_dot(CpuKernels::Avx2).dot, blocks, scales, x, out)
+            },
         ),
         _ => PackedDot::one_at_a_time(
             InputOrder::Natural,
@@ -251,6 +285,9 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
                 )
             },
             |rows, xs, out| tile_with(mxfp4_dot(CpuKernels::Scalar).dot_each, rows, xs, out),
+            |blocks, scales, x, out| {
+                rows_with(crate::cpu::matmul::dot_mxfp4_scalar, blocks, scales, x, out)
+            },
         ),
     }
 }
@@ -268,6 +305,7 @@ fn mxfp4_dot_per_run() -> PackedDot {
             x86_512::dot_packed_each(MXFP4, blocks, scales, xs, out)
         },
         tile: |rows, xs, out| unsafe { x86_512::packed_rows_tile(MXFP4, rows, xs, out) },
+        rows: |blocks, scales, x, out| rows_with(mxfp4_dot_per_run().dot, blocks, scales, x, out),
     }
 }
 
@@ -300,6 +338,9 @@ pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
                 x86_512::dot_packed_each(INT4, qweight, scales, xs, out)
             },
             tile: |rows, xs, out| unsafe { x86_512::packed_rows_tile(INT4, rows, xs, out) },
+            rows: |qweight, scales, x, out| {
+                rows_with(int4_dot(CpuKernels::Avx512).dot, qweight, scales, x, out)
+            },
         },
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => PackedDot::one_at_a_time(
@@ -310,6 +351,9 @@ pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
                 each_with(int4_dot(CpuKernels::Avx2).dot, qweight, scales, xs, out)
             },
             |rows, xs, out| tile_with(int4_dot(CpuKernels::Avx2).dot_each, rows, xs, out),
+            |qweight, scales, x, out| {
+                rows_with(int4_dot(CpuKernels::Avx2).dot, qweight, scales, x, out)
+            },
         ),
         _ => PackedDot::one_at_a_time(
             InputOrder::Natural,
@@ -324,6 +368,9 @@ pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
                 )
             },
             |rows, xs, out| tile_with(int4_dot(CpuKernels::Scalar).dot_each, rows, xs, out),
+            |qweight, scales, x, out| {
+                rows_with(crate::cpu::matmul::dot_int4_scalar, qweight, scales, x, out)
+            },
         ),
     }
 }
@@ -1667,6 +1714,20 @@ mod tests {
                     let rows: Vec<(&[u8], &[u8])> = (0..TILE_ROWS)
                         .map(|r| (&wide_blocks[r * 16..r * 16 + n / 2], &scales[..]))
                         .collect();
+                    // Consecutive rows through the decode entry, one input at a time.
+                    let consecutive: Vec<u8> = rows.iter().flat_map(|r| r.0.to_vec()).collect();
+                    let all_scales = scales.repeat(TILE_ROWS);
+                    for x in &refs {
+                        let mut each_row = vec![0f32; TILE_ROWS];
+                        (kernel.rows)(&consecutive, &all_scales, x, &mut each_row);
+                        for (r, (packed, s)) in rows.iter().enumerate() {
+                            assert_eq!(
+                                each_row[r].to_bits(),
+                                (kernel.dot)(packed, s, x).to_bits(),
+                                "{kernels:?} consecutive rows, row {r}"
+                            );
+                        }
+                    }
                     for count in [1, 5, TILE_ROWS] {
                         let mut tiled = vec![0f32; count * refs.len()];
                         (kernel.tile)(&rows[..count], &refs, &mut tiled);
@@ -1717,6 +1778,22 @@ mod tests {
         let mut at_the_edge = vec![127u8; n / 32];
         at_the_edge[0] = 254;
         for (name, kernel) in avx512_mxfp4_kernels() {
+            // The three rows back to back through the decode entry: the same values as one by one.
+            let mut arranged = Vec::new();
+            let input = kernel.input_order.arrange(&x, n, &mut arranged);
+            let mut consecutive = [0f32; 3];
+            (kernel.rows)(
+                &blocks.repeat(3),
+                &[&ordinary[..], &large, &at_the_edge].concat(),
+                input,
+                &mut consecutive,
+            );
+            for (scales, row) in [&ordinary, &large, &at_the_edge].iter().zip(consecutive) {
+                assert_eq!(
+                    row.to_bits(),
+                    (kernel.dot)(&blocks, scales, input).to_bits()
+                );
+            }
             for scales in [&ordinary, &large, &at_the_edge] {
                 let mut magnitude = 0f32;
                 for (g, s) in scales.iter().enumerate() {

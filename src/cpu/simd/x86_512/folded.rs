@@ -257,6 +257,32 @@ pub unsafe fn dot_mxfp4_each(blocks: &[u8], scales: &[u8], xs: &[&[f32]], out: &
     in_blocks_of_four!(xs, out, |block| unsafe { row_dots(row, block) });
 }
 
+/// Consecutive rows (each `x.len() / 2` bytes and `x.len() / 32` scales) times one input:
+/// `out[i] = row i . x`, bit-identical to `dot_mxfp4`. Decode's form: one scan of all the rows'
+/// scales, then each row straight through the run loop.
+///
+/// # Safety
+/// As `dot_mxfp4`, for every row.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
+pub unsafe fn dot_mxfp4_rows(blocks: &[u8], scales: &[u8], x: &[f32], out: &mut [f32]) {
+    let groups = x.len() / 32;
+    assert!(
+        blocks.len() == 16 * groups * out.len() && scales.len() == groups * out.len(),
+        "consecutive MXFP4 rows hold 16 bytes and one scale per group of the input"
+    );
+    let all_fold = folds(scales);
+    for (r, y) in out.iter_mut().enumerate() {
+        let scales = &scales[r * groups..(r + 1) * groups];
+        let row = Row {
+            packed: &blocks[16 * r * groups..16 * (r + 1) * groups],
+            scales,
+            folds: all_fold || folds(scales),
+        };
+        // Safety: the caller's guarantees.
+        *y = unsafe { row_dots(row, [x])[0] };
+    }
+}
+
 /// Groups a tile works through before moving to the next row: the inputs' slices of a block
 /// (8 KiB for 4 inputs) stay in L1 while every row of the tile reads them.
 const TILE_GROUPS: usize = 16;
