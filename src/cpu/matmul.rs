@@ -82,7 +82,7 @@ pub fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
 
 /// `kernel`'s dot product of one packed row with `x` in natural order.
 fn packed_dot(kernel: super::simd::PackedDot, packed: &[u8], scales: &[u8], x: &[f32]) -> f32 {
-    let mut split = Vec::new();
+    let mut split = super::simd::AlignedFloats::default();
     (kernel.dot)(
         packed,
         scales,
@@ -166,6 +166,9 @@ pub(crate) fn rows_times_tokens(
     if let Some(b) = bias {
         assert_eq!(b.len(), rows, "bias has the wrong size");
     }
+    // On a cache line (each row too when `cols` is a multiple of 16): see `AlignedFloats`.
+    let mut aligned = super::simd::AlignedFloats::default();
+    let xs = super::simd::InputOrder::Natural.arrange(xs, cols, &mut aligned);
     let inputs: Vec<&[f32]> = xs.chunks_exact(cols).collect();
     if tokens == 1 {
         out.par_chunks_mut(ROWS_PER_TASK)
@@ -266,7 +269,7 @@ fn packed_matmul<'w>(
     out: &mut [f32],
     rows_of: impl Fn(std::ops::Range<usize>) -> (&'w [u8], &'w [u8]) + Sync,
 ) {
-    let mut split = Vec::new();
+    let mut split = super::simd::AlignedFloats::default();
     let input = kernel.input_order.arrange(xs, cols, &mut split);
     if xs.len() == cols && out.len() == rows {
         // Decode: each task's rows straight through the kernel's row loop.

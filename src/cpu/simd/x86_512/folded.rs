@@ -284,8 +284,8 @@ pub unsafe fn dot_mxfp4_rows(blocks: &[u8], scales: &[u8], x: &[f32], out: &mut 
 }
 
 /// Groups a tile works through before moving to the next row: the inputs' slices of a block
-/// (8 KiB for 4 inputs) stay in L1 while every row of the tile reads them.
-const TILE_GROUPS: usize = 16;
+/// (16 KiB for 4 inputs) stay in L1 while every row of the tile reads them.
+const TILE_GROUPS: usize = 32;
 
 /// Each of `rows` (at most `TILE_ROWS`) times `T` inputs, block of groups by block of groups:
 /// `out[r * stride + t]`. Bit-identical to `row_dots`.
