@@ -448,8 +448,7 @@ impl InputOrder {
         match self {
             InputOrder::Natural if x.as_ptr().cast::<Line>().is_aligned() => x,
             InputOrder::Natural => {
-                scratch.clear();
-                scratch.extend(x.iter().copied());
+                scratch.filled(x.len()).copy_from_slice(x);
                 scratch
             }
             InputOrder::NibbleRuns => {
@@ -479,26 +478,12 @@ pub struct AlignedFloats {
 }
 
 impl AlignedFloats {
-    pub fn clear(&mut self) {
+    /// `len` floats (zeros) for the caller to fill: the buffer's new contents.
+    fn filled(&mut self, len: usize) -> &mut [f32] {
         self.lines.clear();
-        self.len = 0;
-    }
-
-    fn reserve(&mut self, additional: usize) {
-        self.lines
-            .reserve((self.len + additional).div_ceil(16) - self.lines.len());
-    }
-}
-
-impl Extend<f32> for AlignedFloats {
-    fn extend<I: IntoIterator<Item = f32>>(&mut self, values: I) {
-        for value in values {
-            if self.len.is_multiple_of(16) {
-                self.lines.push(Line::default());
-            }
-            self.lines[self.len / 16].0[self.len % 16] = value;
-            self.len += 1;
-        }
+        self.lines.resize(len.div_ceil(16), Line::default());
+        self.len = len;
+        &mut bytemuck::cast_slice_mut(&mut self.lines)[..len]
     }
 }
 
@@ -517,15 +502,18 @@ fn arrange_group_halves(x: &[f32], cols: usize, out: &mut AlignedFloats) {
         cols.is_multiple_of(32) && x.len().is_multiple_of(cols),
         "packed rows hold whole groups of 32"
     );
-    out.clear();
-    out.reserve(x.len());
-    x.chunks_exact(32).for_each(|g| push_group_halves(g, out));
+    let out = out.filled(x.len());
+    for (group, halves) in x.chunks_exact(32).zip(out.chunks_exact_mut(32)) {
+        group_halves(group, halves);
+    }
 }
 
-/// Appends a group's even inputs, then its odd ones.
-fn push_group_halves(group: &[f32], out: &mut AlignedFloats) {
-    out.extend(group.iter().copied().step_by(2));
-    out.extend(group.iter().copied().skip(1).step_by(2));
+/// A group's even inputs, then its odd ones.
+fn group_halves(group: &[f32], out: &mut [f32]) {
+    for (k, pair) in group.chunks_exact(2).enumerate() {
+        out[k] = pair[0];
+        out[16 + k] = pair[1];
+    }
 }
 
 /// Rearranges rows of `cols` inputs into the order the AVX-512 packed kernels read them. Each
@@ -538,18 +526,26 @@ fn arrange_packed_input(x: &[f32], cols: usize, out: &mut AlignedFloats) {
         cols.is_multiple_of(32) && x.len().is_multiple_of(cols),
         "packed rows hold whole groups of 32"
     );
-    out.clear();
-    out.reserve(x.len());
-    for row in x.chunks_exact(cols) {
+    let out = out.filled(x.len());
+    for (row, arranged) in x.chunks_exact(cols).zip(out.chunks_exact_mut(cols)) {
         let runs = cols / 128 * 128;
-        for run in row[..runs].chunks_exact(128) {
-            for k in 0..8 {
-                out.extend((0..16).map(|i| run[8 * i + k]));
+        let (run_inputs, last_groups) = arranged.split_at_mut(runs);
+        for (run, vectors) in row[..runs]
+            .chunks_exact(128)
+            .zip(run_inputs.chunks_exact_mut(128))
+        {
+            for (k, vector) in vectors.chunks_exact_mut(16).enumerate() {
+                for (i, v) in vector.iter_mut().enumerate() {
+                    *v = run[8 * i + k];
+                }
             }
         }
-        row[runs..]
+        for (group, halves) in row[runs..]
             .chunks_exact(32)
-            .for_each(|g| push_group_halves(g, out));
+            .zip(last_groups.chunks_exact_mut(32))
+        {
+            group_halves(group, halves);
+        }
     }
 }
 
