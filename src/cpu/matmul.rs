@@ -17,7 +17,7 @@ const LANES: usize = 8;
 const ROWS_PER_TASK: usize = 64;
 
 /// `acc[i] += x[i]`.
-fn add_into(acc: &mut [f32], x: &[f32]) {
+pub(crate) fn add_into(acc: &mut [f32], x: &[f32]) {
     for (a, b) in acc.iter_mut().zip(x) {
         *a += b;
     }

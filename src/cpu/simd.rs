@@ -1878,7 +1878,8 @@ mod tests {
                         .map(|r| (&wide_blocks[r * 16..r * 16 + n / 2], &scales[..]))
                         .collect();
                     // Consecutive rows through the decode entry, one input at a time.
-                    let consecutive: Vec<u8> = rows.iter().flat_map(|r| r.0.to_vec()).collect();
+                    let consecutive: Vec<u8> =
+                        rows.iter().flat_map(|r| r.0.iter().copied()).collect();
                     let all_scales = scales.repeat(TILE_ROWS);
                     for x in &refs {
                         let mut each_row = vec![0f32; TILE_ROWS];

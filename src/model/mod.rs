@@ -14,7 +14,7 @@ use rayon::prelude::*;
 
 use crate::config::Config;
 use crate::cpu::attention::{HeadLayout, attend_head, first_visible_key};
-use crate::cpu::matmul::{dense_matmul, expert_matmul};
+use crate::cpu::matmul::{add_into, dense_matmul, expert_matmul};
 use crate::cpu::moe::{Routing, clamped_swiglu, route};
 use crate::cpu::norm::rms_norm;
 use crate::cpu::rope::RopeTable;
@@ -688,11 +688,5 @@ impl Model {
         let down_bias = &layer.down_bias[e * h..(e + 1) * h];
         expert_matmul(&expert.down, 0, &activated, Some(down_bias), &mut down);
         down
-    }
-}
-
-fn add_into(acc: &mut [f32], x: &[f32]) {
-    for (a, b) in acc.iter_mut().zip(x) {
-        *a += b;
     }
 }
