@@ -1336,50 +1336,64 @@ mod x86_512 {
         }
     }
 
-    /// Runs `$call` over `$xs` in blocks of up to four inputs, `$block` being an array of them and
-    /// `$t` the index of its first.
-    macro_rules! for_blocks_of_four {
-        ($xs:expr, |$block:ident, $t:ident| $call:expr) => {{
+    /// Runs `$call` over `$xs` in blocks of `$full` inputs, then the rest together (one of the
+    /// sizes `$n`), `$block` being an array of them and `$t` the index of its first.
+    macro_rules! for_blocks_of {
+        ($full:literal, [$($n:literal),*], $xs:expr, |$block:ident, $t:ident| $call:expr) => {{
             let xs: &[&[f32]] = $xs;
             let mut $t = 0;
             while $t < xs.len() {
                 match xs.len() - $t {
-                    1 => {
-                        let $block = [xs[$t]];
-                        $call;
-                        $t += 1;
-                    }
-                    2 => {
-                        let $block = [xs[$t], xs[$t + 1]];
-                        $call;
-                        $t += 2;
-                    }
-                    3 => {
-                        let $block = [xs[$t], xs[$t + 1], xs[$t + 2]];
-                        $call;
-                        $t += 3;
-                    }
+                    $(
+                        $n => {
+                            let $block: [&[f32]; $n] = xs[$t..$t + $n].try_into().unwrap();
+                            $call;
+                            $t += $n;
+                        }
+                    )*
                     _ => {
-                        let $block = [xs[$t], xs[$t + 1], xs[$t + 2], xs[$t + 3]];
+                        let $block: [&[f32]; $full] = xs[$t..$t + $full].try_into().unwrap();
                         $call;
-                        $t += 4;
+                        $t += $full;
                     }
                 }
             }
         }};
     }
 
-    /// Runs `$call` (an expression of `$block`, an array of up to four inputs) over `$xs` four
-    /// inputs at a time, then the rest together, writing each result into `$out`.
-    macro_rules! in_blocks_of_four {
-        ($xs:expr, $out:expr, |$block:ident| $call:expr) => {{
+    /// `for_blocks_of!` four inputs at a time.
+    macro_rules! for_blocks_of_four {
+        ($xs:expr, |$block:ident, $t:ident| $call:expr) => {
+            for_blocks_of!(4, [1, 2, 3], $xs, |$block, $t| $call)
+        };
+    }
+
+    /// `for_blocks_of!` eight inputs at a time.
+    macro_rules! for_blocks_of_eight {
+        ($xs:expr, |$block:ident, $t:ident| $call:expr) => {
+            for_blocks_of!(8, [1, 2, 3, 4, 5, 6, 7], $xs, |$block, $t| $call)
+        };
+    }
+
+    /// Runs `$call` (an expression of `$block`, an array of inputs) over `$xs` through
+    /// `$for_blocks` (`for_blocks_of_four` or `for_blocks_of_eight`), writing each result into
+    /// `$out`.
+    macro_rules! in_blocks {
+        ($for_blocks:ident, $xs:expr, $out:expr, |$block:ident| $call:expr) => {{
             let (xs, out): (&[&[f32]], &mut [f32]) = ($xs, $out);
             assert_eq!(xs.len(), out.len());
-            for_blocks_of_four!(xs, |$block, t| {
+            $for_blocks!(xs, |$block, t| {
                 let sums = $call;
                 out[t..t + sums.len()].copy_from_slice(&sums);
             });
         }};
+    }
+
+    /// `in_blocks!` four inputs at a time.
+    macro_rules! in_blocks_of_four {
+        ($xs:expr, $out:expr, |$block:ident| $call:expr) => {
+            in_blocks!(for_blocks_of_four, $xs, $out, |$block| $call)
+        };
     }
 
     /// # Safety
@@ -1799,7 +1813,8 @@ mod tests {
     #[test]
     fn batched_dots_equal_one_input_dots_bit_for_bit() {
         let n = 2880 + 64; // whole runs of four groups and two groups after them
-        let inputs: Vec<Vec<f32>> = (0..7).map(|t| values(n, 11 + t)).collect();
+        // Up to 11 inputs: every remainder of blocks of four, and of eight after a whole block.
+        let inputs: Vec<Vec<f32>> = (0..11).map(|t| values(n, 11 + t)).collect();
         let row = bf16_bytes(&values(n, 4));
         let blocks: Vec<u8> = (0..n / 2).map(|i| (i * 53 + 5) as u8).collect();
         let wide_blocks: Vec<u8> = (0..2 * n + 16 * TILE_ROWS)
@@ -1810,7 +1825,7 @@ mod tests {
             .flat_map(|g| half::f16::from_f32(0.02 * (g % 5 + 1) as f32).to_le_bytes())
             .collect();
         for kernels in [CpuKernels::Scalar, CpuKernels::Avx2, CpuKernels::Avx512] {
-            for count in 1..=7 {
+            for count in 1..=inputs.len() {
                 let xs: Vec<&[f32]> = inputs[..count].iter().map(Vec::as_slice).collect();
                 let mut sums = vec![0f32; count];
                 float_dot_each(kernels)(FloatFormat::Bf16, &row, &xs, &mut sums);
@@ -1881,10 +1896,20 @@ mod tests {
                     let consecutive: Vec<u8> =
                         rows.iter().flat_map(|r| r.0.iter().copied()).collect();
                     let all_scales = scales.repeat(TILE_ROWS);
-                    for x in &refs {
-                        let mut each_row = vec![0f32; TILE_ROWS];
-                        (kernel.rows)(&consecutive, &all_scales, x, &mut each_row);
-                        for (r, (packed, s)) in rows.iter().enumerate() {
+                    // An odd count leaves a row without a partner in the decode's pairs.
+                    for (x, count) in refs
+                        .iter()
+                        .zip([TILE_ROWS, TILE_ROWS - 1].into_iter().cycle())
+                    {
+                        let mut each_row = vec![0f32; count];
+                        let bytes = count * n / 2;
+                        (kernel.rows)(
+                            &consecutive[..bytes],
+                            &all_scales[..count * scales.len()],
+                            x,
+                            &mut each_row,
+                        );
+                        for (r, (packed, s)) in rows[..count].iter().enumerate() {
                             assert_eq!(
                                 each_row[r].to_bits(),
                                 (kernel.dot)(packed, s, x).to_bits(),

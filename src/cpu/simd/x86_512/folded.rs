@@ -10,7 +10,9 @@
 //! are applied per run.
 //!
 //! Inputs are read per group as its 16 even inputs then its 16 odd ones
-//! (`InputOrder::GroupHalves`). Rows with a scale of 253 or more (where a scaled table entry would
+//! (`InputOrder::GroupHalves`), and each input's products go into two running sums, one for the
+//! even inputs and one for the odd. Prefill's tiles take up to eight inputs per decoded weight
+//! vector (16 sums in registers); decode takes rows in pairs, which share each input load. Rows with a scale of 253 or more (where a scaled table entry would
 //! overflow or be NaN while the scaled sum might not) multiply each group's sum by its scale
 //! instead, in the same input order.
 
@@ -55,9 +57,11 @@ const RUN_TRANSPOSE: [u8; 64] = {
     index
 };
 
-/// Four running sums per input (the vectors of a run alternate between them so that one
-/// multiply-add does not wait on the one before).
-type Sums<const T: usize> = [[__m512; 4]; T];
+/// Two running sums per input: the even vectors of a run (a group's even inputs) go to the
+/// first, the odd ones to the second. With up to eight inputs a tile pass keeps its 16 sums in
+/// registers and decodes each weight vector once for all eight; decode pairs rows so that one
+/// multiply-add does not wait on the one before.
+type Sums<const T: usize> = [[__m512; 2]; T];
 
 /// One packed row and what its kernel needs: bytes, scale bytes, whether the scales fold.
 #[derive(Clone, Copy)]
@@ -86,6 +90,40 @@ impl<'a> Row<'a> {
     }
 }
 
+/// The 128 weights of run `c` of a folding row as 8 vectors: vector k holds the 16 weights that
+/// multiply inputs `128 c + 16 k ..` (group k / 2 of the run: its even inputs for even k).
+///
+/// # Safety
+/// AVX-512 F/BW/VL and VBMI; run c exists (`c < row.groups() / 4`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
+#[inline]
+unsafe fn run_weights(row: Row, c: usize) -> [__m512; 8] {
+    let (p, s) = (row.packed.as_ptr(), row.scales.as_ptr());
+    let tables = scaled_tables().as_ptr();
+    prefetch_ahead(p.wrapping_add(64 * c), 64);
+    // Safety: RUN_TRANSPOSE holds 64 bytes; run c's 64 bytes and 4 scales exist (the caller's
+    // guarantee); a scale byte indexes one of the 256 tables. (No closures: they would not
+    // inherit the target features.)
+    unsafe {
+        let transpose = _mm512_loadu_si512(RUN_TRANSPOSE.as_ptr().cast());
+        let words = _mm512_permutexvar_epi8(transpose, _mm512_loadu_si512(p.add(64 * c).cast()));
+        let t0 = _mm512_load_ps(tables.add(*s.add(4 * c) as usize).cast());
+        let t1 = _mm512_load_ps(tables.add(*s.add(4 * c + 1) as usize).cast());
+        let t2 = _mm512_load_ps(tables.add(*s.add(4 * c + 2) as usize).cast());
+        let t3 = _mm512_load_ps(tables.add(*s.add(4 * c + 3) as usize).cast());
+        [
+            _mm512_permutexvar_ps(words, t0),
+            _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(words), t0),
+            _mm512_permutexvar_ps(_mm512_srli_epi32::<8>(words), t1),
+            _mm512_permutexvar_ps(_mm512_srli_epi32::<12>(words), t1),
+            _mm512_permutexvar_ps(_mm512_srli_epi32::<16>(words), t2),
+            _mm512_permutexvar_ps(_mm512_srli_epi32::<20>(words), t2),
+            _mm512_permutexvar_ps(_mm512_srli_epi32::<24>(words), t3),
+            _mm512_permutexvar_ps(_mm512_srli_epi32::<28>(words), t3),
+        ]
+    }
+}
+
 /// Adds runs `runs` of a folding row times `T` inputs to `sums`.
 ///
 /// # Safety
@@ -99,40 +137,15 @@ unsafe fn folded_runs<const T: usize>(
     sums: &mut Sums<T>,
 ) {
     assert!(runs.end <= row.groups() / 4 && xs.iter().all(|x| x.len() == 32 * row.groups()));
-    let (p, s) = (row.packed.as_ptr(), row.scales.as_ptr());
-    let tables = scaled_tables().as_ptr();
-    // Safety: RUN_TRANSPOSE holds 64 bytes.
-    let transpose = unsafe { _mm512_loadu_si512(RUN_TRANSPOSE.as_ptr().cast()) };
     let mut acc = *sums;
     for c in runs {
-        prefetch_ahead(p.wrapping_add(64 * c), 64);
-        // Safety: run c's 64 bytes and 4 scales exist (c < groups / 4, asserted above); a scale
-        // byte indexes one of the 256 tables.
-        let (words, table) = unsafe {
-            let words =
-                _mm512_permutexvar_epi8(transpose, _mm512_loadu_si512(p.add(64 * c).cast()));
-            let table = |j: usize| _mm512_load_ps(tables.add(*s.add(4 * c + j) as usize).cast());
-            (words, [table(0), table(1), table(2), table(3)])
-        };
-        let weights = |k: usize| {
-            let index = match k {
-                0 => words,
-                1 => _mm512_srli_epi32::<4>(words),
-                2 => _mm512_srli_epi32::<8>(words),
-                3 => _mm512_srli_epi32::<12>(words),
-                4 => _mm512_srli_epi32::<16>(words),
-                5 => _mm512_srli_epi32::<20>(words),
-                6 => _mm512_srli_epi32::<24>(words),
-                _ => _mm512_srli_epi32::<28>(words),
-            };
-            _mm512_permutexvar_ps(index, table[k / 2])
-        };
-        for k in 0..8 {
-            let w = weights(k);
+        // Safety: run c exists (asserted above).
+        let weights = unsafe { run_weights(row, c) };
+        for (k, w) in weights.into_iter().enumerate() {
             for (a, x) in acc.iter_mut().zip(&xs) {
                 // Safety: run c's 128 inputs are in bounds (asserted above).
                 let x = unsafe { _mm512_loadu_ps(x.as_ptr().add(128 * c + 16 * k)) };
-                a[k % 4] = _mm512_fmadd_ps(w, x, a[k % 4]);
+                a[k % 2] = _mm512_fmadd_ps(w, x, a[k % 2]);
             }
         }
     }
@@ -221,8 +234,8 @@ unsafe fn row_groups<const T: usize>(
 #[target_feature(enable = "avx512f")]
 fn reduce<const T: usize>(sums: &Sums<T>) -> [f32; T] {
     std::array::from_fn(|t| {
-        let [a, b, c, d] = sums[t];
-        _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a, b), _mm512_add_ps(c, d)))
+        let [even, odd] = sums[t];
+        _mm512_reduce_add_ps(_mm512_add_ps(even, odd))
     })
 }
 
@@ -233,7 +246,7 @@ fn reduce<const T: usize>(sums: &Sums<T>) -> [f32; T] {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
 #[inline]
 unsafe fn row_dots<const T: usize>(row: Row, xs: [&[f32]; T]) -> [f32; T] {
-    let mut sums = [[_mm512_setzero_ps(); 4]; T];
+    let mut sums = [[_mm512_setzero_ps(); 2]; T];
     // Safety: the caller's guarantees.
     unsafe { row_groups(row, xs, 0..row.groups(), &mut sums) };
     reduce(&sums)
@@ -254,12 +267,14 @@ pub unsafe fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
 pub unsafe fn dot_mxfp4_each(blocks: &[u8], scales: &[u8], xs: &[&[f32]], out: &mut [f32]) {
     let row = Row::new(blocks, scales);
     // Safety: the caller's guarantees.
-    in_blocks_of_four!(xs, out, |block| unsafe { row_dots(row, block) });
+    in_blocks!(for_blocks_of_eight, xs, out, |block| unsafe {
+        row_dots(row, block)
+    });
 }
 
 /// Consecutive rows (each `x.len() / 2` bytes and `x.len() / 32` scales) times one input:
 /// `out[i] = row i . x`, bit-identical to `dot_mxfp4`. Decode's form: one scan of all the rows'
-/// scales, then each row straight through the run loop.
+/// scales, then the rows two at a time through `pair_dots`.
 ///
 /// # Safety
 /// As `dot_mxfp4`, for every row.
@@ -271,20 +286,60 @@ pub unsafe fn dot_mxfp4_rows(blocks: &[u8], scales: &[u8], x: &[f32], out: &mut 
         "consecutive MXFP4 rows hold 16 bytes and one scale per group of the input"
     );
     let all_fold = folds(scales);
-    for (r, y) in out.iter_mut().enumerate() {
+    let row = |r: usize| {
         let scales = &scales[r * groups..(r + 1) * groups];
-        let row = Row {
+        Row {
             packed: &blocks[16 * r * groups..16 * (r + 1) * groups],
             scales,
             folds: all_fold || folds(scales),
-        };
+        }
+    };
+    let pairs = out.len() / 2;
+    for (p, ys) in out.chunks_exact_mut(2).enumerate() {
         // Safety: the caller's guarantees.
-        *y = unsafe { row_dots(row, [x])[0] };
+        ys.copy_from_slice(&unsafe { pair_dots(row(2 * p), row(2 * p + 1), x) });
+    }
+    if let Some(last) = out.get_mut(2 * pairs) {
+        // Safety: the caller's guarantees.
+        *last = unsafe { row_dots(row(2 * pairs), [x])[0] };
     }
 }
 
+/// Two rows times one input, each bit-identical to `row_dots`: where both fold, their runs go
+/// side by side, each input vector loaded once for both and four sums in flight (one row's two
+/// would leave each multiply-add waiting on the one before).
+///
+/// # Safety
+/// As `folded_runs`, for both rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
+#[inline]
+unsafe fn pair_dots(a: Row, b: Row, x: &[f32]) -> [f32; 2] {
+    if !(a.folds && b.folds) {
+        // Safety: the caller's guarantees.
+        return unsafe { [row_dots(a, [x])[0], row_dots(b, [x])[0]] };
+    }
+    let groups = a.groups();
+    assert!(b.groups() == groups && x.len() == 32 * groups);
+    let mut sums = [[[_mm512_setzero_ps(); 2]; 1]; 2];
+    for c in 0..groups / 4 {
+        // Safety: run c exists in both rows.
+        let (wa, wb) = unsafe { (run_weights(a, c), run_weights(b, c)) };
+        for k in 0..8 {
+            // Safety: run c's 128 inputs are in bounds (asserted above).
+            let v = unsafe { _mm512_loadu_ps(x.as_ptr().add(128 * c + 16 * k)) };
+            sums[0][0][k % 2] = _mm512_fmadd_ps(wa[k], v, sums[0][0][k % 2]);
+            sums[1][0][k % 2] = _mm512_fmadd_ps(wb[k], v, sums[1][0][k % 2]);
+        }
+    }
+    for (row, sums) in [a, b].into_iter().zip(sums.iter_mut()) {
+        // Safety: the caller's guarantees.
+        unsafe { single_groups(row, [x], 4 * (groups / 4)..groups, sums) };
+    }
+    [reduce(&sums[0])[0], reduce(&sums[1])[0]]
+}
+
 /// Groups a tile works through before moving to the next row: the inputs' slices of a block
-/// (16 KiB for 4 inputs) stay in L1 while every row of the tile reads them.
+/// (32 KiB for 8 inputs) stay in L1 while every row of the tile reads them.
 const TILE_GROUPS: usize = 32;
 
 /// Each of `rows` (at most `TILE_ROWS`) times `T` inputs, block of groups by block of groups:
@@ -300,7 +355,7 @@ unsafe fn tile_dots<const T: usize>(
     (out, stride): (&mut [f32], usize),
 ) {
     assert!(rows.len() <= TILE_ROWS);
-    let mut sums = [[[_mm512_setzero_ps(); 4]; T]; TILE_ROWS];
+    let mut sums = [[[_mm512_setzero_ps(); 2]; T]; TILE_ROWS];
     let groups = rows.first().map_or(0, Row::groups);
     for block in super::super::blocks(groups, TILE_GROUPS) {
         for (row, sums) in rows.iter().zip(sums.iter_mut()) {
@@ -333,7 +388,7 @@ pub unsafe fn mxfp4_tile(rows: &[(&[u8], &[u8])], xs: &[&[f32]], out: &mut [f32]
     assert!(rows.iter().all(|r| r.groups() == rows[0].groups()));
     let stride = xs.len();
     // Safety: the caller's guarantees.
-    for_blocks_of_four!(xs, |block, t| unsafe {
+    for_blocks_of_eight!(xs, |block, t| unsafe {
         tile_dots(rows, block, (&mut out[t..], stride))
     });
 }
