@@ -566,26 +566,41 @@ impl Model {
         let requests = self.experts.request(l, &chosen)?;
         // Behind this layer's reads in the IO queue: what the next layer will want.
         after_requests(&routings)?;
-        let mut out = vec![0f32; n * h];
-        for (&e, request) in chosen.iter().zip(requests) {
-            let expert = self.experts.wait(request)?;
-            let users: Vec<(usize, f32)> = routings
-                .iter()
-                .enumerate()
-                .filter_map(|(t, r)| {
-                    let k = r.experts.iter().position(|&x| x == e)?;
-                    Some((t, r.weights[k]))
-                })
-                .collect();
-            if users.is_empty() {
-                continue;
+        // Experts run side by side (each also splits its rows over idle threads), so that one
+        // expert's serial steps (input gathering, SwiGLU, reordering its outputs) overlap another's
+        // matrix products; their outputs are added afterwards in ascending expert order.
+        let downs: Vec<std::sync::OnceLock<(Vec<usize>, Vec<f32>)>> =
+            chosen.iter().map(|_| std::sync::OnceLock::new()).collect();
+        let routings_ref = &routings;
+        rayon::scope(|scope| -> Result<()> {
+            for ((&e, request), slot) in chosen.iter().zip(requests).zip(&downs) {
+                let expert = self.experts.wait(request)?;
+                scope.spawn(move |_| {
+                    let users: Vec<usize> = (0..n)
+                        .filter(|&t| routings_ref[t].experts.contains(&e))
+                        .collect();
+                    let mut xs = Vec::with_capacity(users.len() * h);
+                    for &t in &users {
+                        xs.extend_from_slice(&x[t * h..(t + 1) * h]);
+                    }
+                    let down = self.run_expert(layer, e, &expert, &xs);
+                    // Each slot is set once, by its own task.
+                    let _ = slot.set((users, down));
+                });
             }
-            let xs: Vec<f32> = users
-                .iter()
-                .flat_map(|&(t, _)| x[t * h..(t + 1) * h].to_vec())
-                .collect();
-            let down = self.run_expert(layer, e, &expert, &xs);
-            for (u, &(t, w)) in users.iter().enumerate() {
+            Ok(())
+        })?;
+        let mut out = vec![0f32; n * h];
+        for (&e, slot) in chosen.iter().zip(downs) {
+            let (users, down) = slot.into_inner().expect("every chosen expert was computed");
+            for (u, &t) in users.iter().enumerate() {
+                let r = &routings[t];
+                let k = r
+                    .experts
+                    .iter()
+                    .position(|&x| x == e)
+                    .expect("a user chose it");
+                let w = r.weights[k];
                 for (o, d) in out[t * h..(t + 1) * h]
                     .iter_mut()
                     .zip(&down[u * h..(u + 1) * h])
