@@ -274,7 +274,7 @@ pub unsafe fn dot_mxfp4_each(blocks: &[u8], scales: &[u8], xs: &[&[f32]], out: &
 
 /// Consecutive rows (each `x.len() / 2` bytes and `x.len() / 32` scales) times one input:
 /// `out[i] = row i . x`, bit-identical to `dot_mxfp4`. Decode's form: one scan of all the rows'
-/// scales, then the rows two at a time through `pair_dots`.
+/// scales, then the rows `TOGETHER` at a time through `rows_dots`.
 ///
 /// # Safety
 /// As `dot_mxfp4`, for every row.
@@ -294,48 +294,62 @@ pub unsafe fn dot_mxfp4_rows(blocks: &[u8], scales: &[u8], x: &[f32], out: &mut 
             folds: all_fold || folds(scales),
         }
     };
-    let pairs = out.len() / 2;
-    for (p, ys) in out.chunks_exact_mut(2).enumerate() {
+    let together = out.len() / TOGETHER * TOGETHER;
+    for (p, ys) in out[..together].chunks_exact_mut(TOGETHER).enumerate() {
+        let rows: [Row; TOGETHER] = std::array::from_fn(|i| row(TOGETHER * p + i));
         // Safety: the caller's guarantees.
-        ys.copy_from_slice(&unsafe { pair_dots(row(2 * p), row(2 * p + 1), x) });
+        ys.copy_from_slice(&unsafe { rows_dots(rows, x) });
     }
-    if let Some(last) = out.get_mut(2 * pairs) {
+    for (r, y) in out.iter_mut().enumerate().skip(together) {
         // Safety: the caller's guarantees.
-        *last = unsafe { row_dots(row(2 * pairs), [x])[0] };
+        *y = unsafe { row_dots(row(r), [x])[0] };
     }
 }
 
-/// Two rows times one input, each bit-identical to `row_dots`: where both fold, their runs go
-/// side by side, each input vector loaded once for both and four sums in flight (one row's two
+/// Rows decode computes side by side (four: 4-12% slower than two, whose weights stay in
+/// registers).
+const TOGETHER: usize = 2;
+
+/// `R` rows times one input, each bit-identical to `row_dots`: where all fold, their runs go
+/// side by side, each input vector loaded once for all and 2 R sums in flight (one row's two
 /// would leave each multiply-add waiting on the one before).
 ///
 /// # Safety
-/// As `folded_runs`, for both rows.
+/// As `folded_runs`, for every row.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
 #[inline]
-unsafe fn pair_dots(a: Row, b: Row, x: &[f32]) -> [f32; 2] {
-    if !(a.folds && b.folds) {
-        // Safety: the caller's guarantees.
-        return unsafe { [row_dots(a, [x])[0], row_dots(b, [x])[0]] };
+unsafe fn rows_dots<const R: usize>(rows: [Row; R], x: &[f32]) -> [f32; R] {
+    let mut dots = [0f32; R];
+    if !rows.iter().all(|r| r.folds) {
+        for (dot, row) in dots.iter_mut().zip(rows) {
+            // Safety: the caller's guarantees.
+            *dot = unsafe { row_dots(row, [x])[0] };
+        }
+        return dots;
     }
-    let groups = a.groups();
-    assert!(b.groups() == groups && x.len() == 32 * groups);
-    let mut sums = [[[_mm512_setzero_ps(); 2]; 1]; 2];
+    let groups = rows[0].groups();
+    assert!(rows.iter().all(|r| r.groups() == groups) && x.len() == 32 * groups);
+    let mut sums = [[[_mm512_setzero_ps(); 2]; 1]; R];
     for c in 0..groups / 4 {
-        // Safety: run c exists in both rows.
-        let (wa, wb) = unsafe { (run_weights(a, c), run_weights(b, c)) };
+        let mut weights = [[_mm512_setzero_ps(); 8]; R];
+        for (w, row) in weights.iter_mut().zip(rows) {
+            // Safety: run c exists in every row.
+            *w = unsafe { run_weights(row, c) };
+        }
         for k in 0..8 {
             // Safety: run c's 128 inputs are in bounds (asserted above).
             let v = unsafe { _mm512_loadu_ps(x.as_ptr().add(128 * c + 16 * k)) };
-            sums[0][0][k % 2] = _mm512_fmadd_ps(wa[k], v, sums[0][0][k % 2]);
-            sums[1][0][k % 2] = _mm512_fmadd_ps(wb[k], v, sums[1][0][k % 2]);
+            for (s, w) in sums.iter_mut().zip(&weights) {
+                s[0][k % 2] = _mm512_fmadd_ps(w[k], v, s[0][k % 2]);
+            }
         }
     }
-    for (row, sums) in [a, b].into_iter().zip(sums.iter_mut()) {
+    for ((dot, row), sums) in dots.iter_mut().zip(rows).zip(sums.iter_mut()) {
         // Safety: the caller's guarantees.
         unsafe { single_groups(row, [x], 4 * (groups / 4)..groups, sums) };
+        *dot = reduce(sums)[0];
     }
-    [reduce(&sums[0])[0], reduce(&sums[1])[0]]
+    dots
 }
 
 /// Groups a tile works through before moving to the next row: the inputs' slices of a block
