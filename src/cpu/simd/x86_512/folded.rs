@@ -12,9 +12,11 @@
 //! Inputs are read per group as its 16 even inputs then its 16 odd ones
 //! (`InputOrder::GroupHalves`), and each input's products go into two running sums, one for the
 //! even inputs and one for the odd. Prefill's tiles take up to eight inputs per decoded weight
-//! vector (16 sums in registers); decode takes rows in pairs, which share each input load. Rows with a scale of 253 or more (where a scaled table entry would
-//! overflow or be NaN while the scaled sum might not) multiply each group's sum by its scale
-//! instead, in the same input order.
+//! vector (16 sums in registers); decode takes rows in pairs, which share each input load.
+//!
+//! Rows with a scale of 253 or more (where a scaled table entry would overflow or be NaN while
+//! the scaled sum might not) multiply each group's sum by its scale instead, in the same input
+//! order.
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
