@@ -469,8 +469,8 @@ impl InputOrder {
 struct Line([f32; 16]);
 
 /// Floats that start on a cache line. The kernels read their inputs in 64-byte vectors, and a
-/// load that spans two lines costs two: with four inputs per weight (prefill's tiles), unaligned
-/// inputs cost a quarter of the speed.
+/// load that spans two lines costs two: with four to eight inputs per weight (prefill's tiles),
+/// unaligned inputs cost a quarter of the speed.
 #[derive(Default)]
 pub struct AlignedFloats {
     lines: Vec<Line>,
@@ -1812,9 +1812,10 @@ mod tests {
 
     #[test]
     fn batched_dots_equal_one_input_dots_bit_for_bit() {
-        let n = 2880 + 64; // whole runs of four groups and two groups after them
-        // Up to 11 inputs: every remainder of blocks of four, and of eight after a whole block.
-        let inputs: Vec<Vec<f32>> = (0..11).map(|t| values(n, 11 + t)).collect();
+        let n = 2880 + 32; // 22 runs of four groups and 3 groups after them (45.5 float steps)
+        // Up to 15 inputs: every remainder of blocks of four, and of eight alone and after a
+        // whole block.
+        let inputs: Vec<Vec<f32>> = (0..15).map(|t| values(n, 11 + t)).collect();
         let row = bf16_bytes(&values(n, 4));
         let blocks: Vec<u8> = (0..n / 2).map(|i| (i * 53 + 5) as u8).collect();
         let wide_blocks: Vec<u8> = (0..2 * n + 16 * TILE_ROWS)
@@ -1967,17 +1968,28 @@ mod tests {
         let mut at_the_edge = vec![127u8; n / 32];
         at_the_edge[0] = 254;
         for (name, kernel) in avx512_mxfp4_kernels() {
-            // The three rows back to back through the decode entry: the same values as one by one.
+            // Rows back to back through the decode entry (which takes them in pairs: two that
+            // fold, one that folds with one that does not, two that do not, one alone): the
+            // same values as one by one.
             let mut arranged = AlignedFloats::default();
             let input = kernel.input_order.arrange(&x, n, &mut arranged);
-            let mut consecutive = [0f32; 3];
+            let decoded = [
+                &ordinary,
+                &ordinary,
+                &ordinary,
+                &large,
+                &at_the_edge,
+                &large,
+                &ordinary,
+            ];
+            let mut consecutive = [0f32; 7];
             (kernel.rows)(
-                &blocks.repeat(3),
-                &[&ordinary[..], &large, &at_the_edge].concat(),
+                &blocks.repeat(decoded.len()),
+                &decoded.map(|s| &s[..]).concat(),
                 input,
                 &mut consecutive,
             );
-            for (scales, row) in [&ordinary, &large, &at_the_edge].iter().zip(consecutive) {
+            for (scales, row) in decoded.iter().zip(consecutive) {
                 assert_eq!(
                     row.to_bits(),
                     (kernel.dot)(&blocks, scales, input).to_bits()
@@ -1993,13 +2005,15 @@ mod tests {
                 let scalar = dot_mxfp4_scalar(&blocks, scales, &x);
                 assert!(simd.is_finite(), "{name}: {simd}");
                 close(simd, scalar, magnitude.max(x_sum), &format!("{name} mxfp4"));
-                // The same row in a tile and through dot_each: bit-identical.
+                // The same row in a tile and through dot_each, for a block of eight inputs and
+                // three more: bit-identical.
                 let mut arranged = AlignedFloats::default();
                 let input = kernel.input_order.arrange(&x, n, &mut arranged);
-                let (mut each, mut tiled) = ([0f32; 2], [0f32; 4]);
-                (kernel.dot_each)(&blocks, scales, &[input, input], &mut each);
+                let inputs = [input; 11];
+                let (mut each, mut tiled) = ([0f32; 11], [0f32; 22]);
+                (kernel.dot_each)(&blocks, scales, &inputs, &mut each);
                 let rows = [(&blocks[..], &scales[..]), (&blocks[..], &scales[..])];
-                (kernel.tile)(&rows, &[input, input], &mut tiled);
+                (kernel.tile)(&rows, &inputs, &mut tiled);
                 assert!(
                     each.iter()
                         .chain(&tiled)

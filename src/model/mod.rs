@@ -9,6 +9,7 @@ pub mod sampler;
 pub mod session;
 
 use std::path::Path;
+use std::sync::Mutex;
 
 use rayon::prelude::*;
 
@@ -22,6 +23,9 @@ use crate::error::Result;
 use crate::experts::{ExpertData, ExpertStore, RamBudget};
 use crate::weights::{Checkpoint, LayerWeights, ModelWeights};
 pub use kv_cache::KvCache;
+
+/// An expert's output for a block: the positions that chose it, and one output row for each.
+type ExpertOutput = (Vec<usize>, Vec<f32>);
 
 /// Values of one layer at every position of a block, for comparison with a reference.
 #[derive(Debug, Clone)]
@@ -568,14 +572,32 @@ impl Model {
         after_requests(&routings)?;
         // Experts run side by side (each also splits its rows over idle threads), so that one
         // expert's serial steps (input gathering, SwiGLU, reordering its outputs) overlap another's
-        // matrix products; their outputs are added afterwards in ascending expert order.
-        let downs: Vec<std::sync::OnceLock<(Vec<usize>, Vec<f32>)>> =
-            chosen.iter().map(|_| std::sync::OnceLock::new()).collect();
-        let routings_ref = &routings;
+        // matrix products. Outputs are added in ascending expert order as soon as every lower
+        // expert's is in, so few wait in memory.
+        let finished: Vec<Mutex<Option<ExpertOutput>>> =
+            chosen.iter().map(|_| Mutex::new(None)).collect();
+        // The next expert to add, and the sum so far.
+        let sum = Mutex::new((0usize, vec![0f32; n * h]));
+        let finish = |i: usize, output: ExpertOutput| {
+            *finished[i].lock().unwrap() = Some(output);
+            let mut sum = sum.lock().unwrap();
+            let (next, out) = &mut *sum;
+            while *next < chosen.len() {
+                let i = *next;
+                let Some((users, down)) = finished[i].lock().unwrap().take() else {
+                    break; // Its own task adds it (and what follows) when it finishes.
+                };
+                self.add_expert_output(chosen[i], &routings, &users, &down, out);
+                *next += 1;
+            }
+        };
+        let (finish, routings_ref) = (&finish, &routings);
+        // With one thread, each expert is computed in turn while the IO threads read ahead.
+        let one_thread = rayon::current_num_threads() == 1;
         rayon::scope(|scope| -> Result<()> {
-            for ((&e, request), slot) in chosen.iter().zip(requests).zip(&downs) {
+            for (i, (&e, request)) in chosen.iter().zip(requests).enumerate() {
                 let expert = self.experts.wait(request)?;
-                scope.spawn(move |_| {
+                let task = move || {
                     let users: Vec<usize> = (0..n)
                         .filter(|&t| routings_ref[t].experts.contains(&e))
                         .collect();
@@ -584,32 +606,51 @@ impl Model {
                         xs.extend_from_slice(&x[t * h..(t + 1) * h]);
                     }
                     let down = self.run_expert(layer, e, &expert, &xs);
-                    // Each slot is set once, by its own task.
-                    let _ = slot.set((users, down));
-                });
+                    finish(i, (users, down));
+                };
+                if one_thread {
+                    task();
+                } else {
+                    scope.spawn(move |_| task());
+                }
             }
             Ok(())
         })?;
-        let mut out = vec![0f32; n * h];
-        for (&e, slot) in chosen.iter().zip(downs) {
-            let (users, down) = slot.into_inner().expect("every chosen expert was computed");
-            for (u, &t) in users.iter().enumerate() {
-                let r = &routings[t];
-                let k = r
-                    .experts
-                    .iter()
-                    .position(|&x| x == e)
-                    .expect("a user chose it");
-                let w = r.weights[k];
-                for (o, d) in out[t * h..(t + 1) * h]
-                    .iter_mut()
-                    .zip(&down[u * h..(u + 1) * h])
-                {
-                    *o += d * w;
-                }
+        let (added, out) = sum.into_inner().unwrap();
+        assert_eq!(
+            added,
+            chosen.len(),
+            "every chosen expert's output was added"
+        );
+        Ok((out, routings))
+    }
+
+    /// Adds expert `e`'s output rows (`down`, one per position of `users`) times each position's
+    /// routing weight for `e` into `out` (`[n, hidden]`).
+    fn add_expert_output(
+        &self,
+        e: usize,
+        routings: &[Routing],
+        users: &[usize],
+        down: &[f32],
+        out: &mut [f32],
+    ) {
+        let h = self.config.hidden_size;
+        for (u, &t) in users.iter().enumerate() {
+            let r = &routings[t];
+            let k = r
+                .experts
+                .iter()
+                .position(|&x| x == e)
+                .expect("a user chose it");
+            let w = r.weights[k];
+            for (o, d) in out[t * h..(t + 1) * h]
+                .iter_mut()
+                .zip(&down[u * h..(u + 1) * h])
+            {
+                *o += d * w;
             }
         }
-        Ok((out, routings))
     }
 
     /// Router `l`'s choice for each row of `x` (`[n, hidden]`).

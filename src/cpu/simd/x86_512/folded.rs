@@ -65,7 +65,9 @@ const RUN_TRANSPOSE: [u8; 64] = {
 /// multiply-add does not wait on the one before.
 type Sums<const T: usize> = [[__m512; 2]; T];
 
-/// One packed row and what its kernel needs: bytes, scale bytes, whether the scales fold.
+/// One packed row and what its kernel needs: bytes, scale bytes (one per 16 bytes: `Row::new`
+/// checks it, and rows built field by field come from slices cut to that length), whether the
+/// scales fold.
 #[derive(Clone, Copy)]
 struct Row<'a> {
     packed: &'a [u8],
