@@ -24,8 +24,9 @@ use crate::experts::{ExpertData, ExpertStore, RamBudget};
 use crate::weights::{Checkpoint, LayerWeights, ModelWeights};
 pub use kv_cache::KvCache;
 
-/// An expert's output for a block: the positions that chose it, and one output row for each.
-type ExpertOutput = (Vec<usize>, Vec<f32>);
+/// An expert's output for a block: the positions that chose it with their routing weights for
+/// it, and one output row for each.
+type ExpertOutput = (Vec<(usize, f32)>, Vec<f32>);
 
 /// Values of one layer at every position of a block, for comparison with a reference.
 #[derive(Debug, Clone)]
@@ -587,7 +588,7 @@ impl Model {
                 let Some((users, down)) = finished[i].lock().unwrap().take() else {
                     break; // Its own task adds it (and what follows) when it finishes.
                 };
-                self.add_expert_output(chosen[i], &routings, &users, &down, out);
+                add_weighted_rows(&users, &down, h, out);
                 *next += 1;
             }
         };
@@ -598,11 +599,16 @@ impl Model {
             for (i, (&e, request)) in chosen.iter().zip(requests).enumerate() {
                 let expert = self.experts.wait(request)?;
                 let task = move || {
-                    let users: Vec<usize> = (0..n)
-                        .filter(|&t| routings_ref[t].experts.contains(&e))
+                    let users: Vec<(usize, f32)> = routings_ref
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(t, r)| {
+                            let k = r.experts.iter().position(|&x| x == e)?;
+                            Some((t, r.weights[k]))
+                        })
                         .collect();
                     let mut xs = Vec::with_capacity(users.len() * h);
-                    for &t in &users {
+                    for &(t, _) in &users {
                         xs.extend_from_slice(&x[t * h..(t + 1) * h]);
                     }
                     let down = self.run_expert(layer, e, &expert, &xs);
@@ -623,34 +629,6 @@ impl Model {
             "every chosen expert's output was added"
         );
         Ok((out, routings))
-    }
-
-    /// Adds expert `e`'s output rows (`down`, one per position of `users`) times each position's
-    /// routing weight for `e` into `out` (`[n, hidden]`).
-    fn add_expert_output(
-        &self,
-        e: usize,
-        routings: &[Routing],
-        users: &[usize],
-        down: &[f32],
-        out: &mut [f32],
-    ) {
-        let h = self.config.hidden_size;
-        for (u, &t) in users.iter().enumerate() {
-            let r = &routings[t];
-            let k = r
-                .experts
-                .iter()
-                .position(|&x| x == e)
-                .expect("a user chose it");
-            let w = r.weights[k];
-            for (o, d) in out[t * h..(t + 1) * h]
-                .iter_mut()
-                .zip(&down[u * h..(u + 1) * h])
-            {
-                *o += d * w;
-            }
-        }
     }
 
     /// Router `l`'s choice for each row of `x` (`[n, hidden]`).
@@ -744,5 +722,15 @@ impl Model {
         let down_bias = &layer.down_bias[e * h..(e + 1) * h];
         expert_matmul(&expert.down, 0, &activated, Some(down_bias), &mut down);
         down
+    }
+}
+
+/// Adds each of an expert's output rows (`down`, `h` values per user) times its user's routing
+/// weight into the user's row of `out` (`[n, h]`).
+fn add_weighted_rows(users: &[(usize, f32)], down: &[f32], h: usize, out: &mut [f32]) {
+    for (&(t, w), d) in users.iter().zip(down.chunks_exact(h)) {
+        for (o, d) in out[t * h..(t + 1) * h].iter_mut().zip(d) {
+            *o += d * w;
+        }
     }
 }
