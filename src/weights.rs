@@ -192,23 +192,58 @@ impl TensorBytes {
     /// source is faulted in, copied and released, so the file's pages never all count in the
     /// resident memory at once.
     pub fn copy_to_memory(&self) -> std::io::Result<TensorBytes> {
-        use rayon::prelude::*;
-        const CHUNK: usize = 8 << 20;
-        let len = self.range.len();
-        if len == 0 {
+        if self.range.is_empty() {
             return Ok(self.clone());
         }
+        let mut copies = TensorBytes::copy_all_to_memory(&[self])?;
+        Ok(copies.remove(0))
+    }
+
+    /// Copies of `parts`, back to back in one `huge_buffer` (as `copy_to_memory` makes them), so
+    /// that `joined` can view neighbours as one tensor.
+    pub fn copy_all_to_memory(parts: &[&TensorBytes]) -> std::io::Result<Vec<TensorBytes>> {
+        use rayon::prelude::*;
+        const CHUNK: usize = 8 << 20;
+        let mut starts = Vec::with_capacity(parts.len());
+        let mut len = 0;
+        for part in parts {
+            starts.push(len);
+            len += part.range.len();
+        }
         let mut buffer = huge_buffer(len)?;
-        buffer
-            .par_chunks_mut(CHUNK)
-            .enumerate()
-            .for_each(|(c, out)| {
-                let source = self.slice(c * CHUNK..c * CHUNK + out.len());
-                source.populate();
-                out.copy_from_slice(source.bytes());
-                source.release();
-            });
-        freeze(buffer)
+        for (part, &start) in parts.iter().zip(&starts) {
+            buffer[start..start + part.range.len()]
+                .par_chunks_mut(CHUNK)
+                .enumerate()
+                .for_each(|(c, out)| {
+                    let source = part.slice(c * CHUNK..c * CHUNK + out.len());
+                    source.populate();
+                    out.copy_from_slice(source.bytes());
+                    source.release();
+                });
+        }
+        let whole = freeze(buffer)?;
+        Ok(parts
+            .iter()
+            .zip(starts)
+            .map(|(part, start)| whole.slice(start..start + part.range.len()))
+            .collect())
+    }
+
+    /// `self` then `next` as one view, where `next` starts where `self` ends in the same buffer
+    /// (as `copy_all_to_memory` leaves neighbours).
+    pub fn joined(&self, next: &TensorBytes) -> Option<TensorBytes> {
+        let same_buffer = match (&self.backing, &next.backing) {
+            (Backing::Mapped(a), Backing::Mapped(b))
+            | (Backing::Anonymous(a), Backing::Anonymous(b)) => Arc::ptr_eq(a, b),
+            (Backing::Owned(a), Backing::Owned(b)) => Arc::ptr_eq(a, b),
+            (Backing::Pages(a), Backing::Pages(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        (same_buffer && self.range.end == next.range.start).then(|| TensorBytes {
+            backing: self.backing.clone(),
+            range: self.range.start..next.range.end,
+        })
     }
 
     /// Bytes held in memory rather than in a checkpoint file (tests, benches, converted data).
@@ -500,6 +535,26 @@ impl DenseMatrix {
         let width = self.cols * self.format.size();
         &self.data.bytes()[r * width..(r + 1) * width]
     }
+
+    /// The rows of `parts` one after the other, as one matrix, where they share a format and a
+    /// width and lie back to back in one buffer (`ModelWeights::copy_to_memory` lays each
+    /// layer's q, k and v out so); else None.
+    pub fn stacked(parts: &[&DenseMatrix]) -> Option<DenseMatrix> {
+        let (first, rest) = parts.split_first()?;
+        let mut data = first.data.clone();
+        for m in rest {
+            if m.format != first.format || m.cols != first.cols {
+                return None;
+            }
+            data = data.joined(&m.data)?;
+        }
+        Some(DenseMatrix {
+            rows: parts.iter().map(|m| m.rows).sum(),
+            cols: first.cols,
+            format: first.format,
+            data,
+        })
+    }
 }
 
 /// Where consecutive experts start in a weights or scales buffer: one after the other, as a
@@ -696,6 +751,14 @@ pub struct LayerWeights {
     pub down: ExpertMatrices,
     /// `[E, H]`
     pub down_bias: Vec<f32>,
+}
+
+impl LayerWeights {
+    /// The q, k and v projections stacked into one matrix (rows q, then k, then v), where their
+    /// bytes lie back to back: one call reads them all.
+    pub fn qkv(&self) -> Option<DenseMatrix> {
+        DenseMatrix::stacked(&[&self.q, &self.k, &self.v])
+    }
 }
 
 /// All weights of a GPT-OSS model, validated against its config.
@@ -899,7 +962,19 @@ impl ModelWeights {
             let what = format!("layer {l} weights");
             let mut matrices = vec![&mut layer.router];
             if dense {
-                matrices.extend([&mut layer.q, &mut layer.k, &mut layer.v, &mut layer.o]);
+                // Back to back, so that one call computes all three (`LayerWeights::qkv`).
+                let parts = [&layer.q.data, &layer.k.data, &layer.v.data];
+                let bytes: u64 = parts.iter().map(|t| t.bytes().len() as u64).sum();
+                let copies =
+                    TensorBytes::copy_all_to_memory(&parts).map_err(|e| Error::io(&what, e))?;
+                copied.set(copied.get() + bytes);
+                for (m, copy) in [&mut layer.q, &mut layer.k, &mut layer.v]
+                    .into_iter()
+                    .zip(copies)
+                {
+                    m.data = copy;
+                }
+                matrices.push(&mut layer.o);
             }
             for m in matrices {
                 m.data = copy_bytes(&m.data).map_err(|e| Error::io(&what, e))?;

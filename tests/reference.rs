@@ -172,6 +172,47 @@ fn batched_prefill_equals_one_token_at_a_time() {
 }
 
 #[test]
+fn stacked_attention_projections_change_nothing() {
+    use picchio::model::{MmapMode, ModelOptions};
+    for dir in fixture_dirs() {
+        let load = |mmap| {
+            let options = ModelOptions {
+                mmap,
+                ..Default::default()
+            };
+            Model::load_with(&dir, &options).unwrap()
+        };
+        let (mapped, copied) = (load(MmapMode::On), load(MmapMode::Off));
+        // Copied, each layer's q, k and v lie back to back and one call computes them.
+        for (l, layer) in copied.weights.layers.iter().enumerate() {
+            let qkv = layer.qkv().expect("copied q, k and v stack");
+            assert_eq!(
+                qkv.rows,
+                layer.q.rows + layer.k.rows + layer.v.rows,
+                "layer {l}"
+            );
+            let last = qkv.rows - 1;
+            assert_eq!(qkv.row(0), layer.q.row(0), "layer {l}: first row is q's");
+            assert_eq!(
+                qkv.row(last),
+                layer.v.row(layer.v.rows - 1),
+                "layer {l}: last row is v's"
+            );
+        }
+        assert!(mapped.weights.layers.iter().all(|l| l.qkv().is_none()));
+        let prompt = reference(&dir).prompt_ids;
+        for block in [prompt.len(), 1] {
+            assert_eq!(
+                run_in_blocks(&copied, &prompt, block, 8),
+                run_in_blocks(&mapped, &prompt, block, 8),
+                "{}: blocks of {block}",
+                dir.display()
+            );
+        }
+    }
+}
+
+#[test]
 fn layout_does_not_change_results() {
     let src = fixtures_dir().join("tiny-single");
     let reference = reference(&src);

@@ -132,8 +132,7 @@ pub fn q8_matmul(m: &Q8Matrix, xs: &[f32], bias: Option<&[f32]>, out: &mut [f32]
         q8_tile(&rows, inputs, sums)
     };
     super::matmul::rows_times_tokens(
-        m.rows,
-        m.cols,
+        (m.rows, m.cols, m.cols + m.cols / 32 * 2),
         xs,
         bias,
         out,
