@@ -19,7 +19,7 @@ const LANES: usize = 8;
 const DECODE_TASK_BYTES: usize = 96 << 10;
 
 /// Rows of `row_bytes` each that one decode task computes: `DECODE_TASK_BYTES` of them, a
-/// multiple of four rows (the kernels take rows in pairs).
+/// multiple of four rows (a packed task splits them between its two streams of rows).
 fn decode_rows_per_task(row_bytes: usize) -> usize {
     (DECODE_TASK_BYTES / row_bytes.max(1) / 4 * 4).max(4)
 }
@@ -286,18 +286,32 @@ fn packed_matmul<'w>(
     let mut split = super::simd::AlignedFloats::default();
     let input = kernel.input_order.arrange(xs, cols, &mut split);
     if xs.len() == cols && out.len() == rows {
-        // Decode: each task's rows straight through the kernel's row loop.
-        let rows_per_task = decode_rows_per_task(packed_row_bytes(cols));
-        out.par_chunks_mut(rows_per_task)
+        // Decode: each task takes a chunk of the first half of the rows and the same chunk of
+        // the second half, and the kernel reads them side by side: two streams from memory,
+        // far apart. Measured on the synthetic 20B's experts: 20.8 GB/s with rows read in
+        // adjacent pairs, 24-25 GB/s with one stream per half.
+        let half = rows / 2;
+        let per_task = (decode_rows_per_task(packed_row_bytes(cols)) / 2).max(1);
+        let (first_half, second_half) = out.split_at_mut(half);
+        let (second_half, last) = second_half.split_at_mut(half);
+        first_half
+            .par_chunks_mut(per_task)
+            .zip(second_half.par_chunks_mut(per_task))
             .enumerate()
-            .for_each(|(chunk, ys)| {
-                let first = chunk * rows_per_task;
-                let (packed, scales) = rows_of(first..first + ys.len());
-                (kernel.rows)(packed, scales, input, ys);
-                if let Some(b) = bias {
-                    add_into(ys, &b[first..first + ys.len()]);
-                }
+            .for_each(|(chunk, (a, b))| {
+                let first = chunk * per_task;
+                let runs = [
+                    rows_of(first..first + a.len()),
+                    rows_of(half + first..half + first + b.len()),
+                ];
+                (kernel.rows)(runs, input, [a, b]);
             });
+        // An odd row count leaves the last row without a partner.
+        let runs = [rows_of(2 * half..rows), rows_of(rows..rows)];
+        (kernel.rows)(runs, input, [last, &mut []]);
+        if let Some(b) = bias {
+            add_into(out, b);
+        }
         return;
     }
     let row = |r: usize| rows_of(r..r + 1);

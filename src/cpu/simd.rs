@@ -163,13 +163,18 @@ pub struct PackedDot {
     /// Rows (packed, scales; at most `TILE_ROWS`) times every input, `out[r * xs.len() + t]`,
     /// each bit-identical to `dot`'s: a cache-blocked `dot_each` over several rows.
     pub tile: PackedTile,
-    /// Consecutive rows times one input (decode): `packed` and `scales` hold `out.len()` rows
-    /// back to back, `out[i] = row i . x`, each bit-identical to `dot`'s.
+    /// Two runs of consecutive rows times one input (decode): run k holds `outs[k].len()` rows
+    /// back to back, `outs[k][i] = row i of run k . x`, each bit-identical to `dot`'s. The
+    /// AVX-512 kernel computes row i of both runs side by side: two streams from memory, far
+    /// apart, which this machine reads faster than one.
     pub rows: PackedRows,
 }
 
+/// Packed bytes and scale bytes of consecutive rows, back to back.
+pub type RowBytes<'a> = (&'a [u8], &'a [u8]);
+
 /// See `PackedDot::rows`.
-pub type PackedRows = fn(&[u8], &[u8], &[f32], &mut [f32]);
+pub type PackedRows = fn([RowBytes; 2], &[f32], [&mut [f32]; 2]);
 
 /// See `PackedDot::dot_each`.
 pub type PackedDotEach = fn(&[u8], &[u8], &[&[f32]], &mut [f32]);
@@ -200,23 +205,24 @@ impl PackedDot {
     }
 }
 
-/// A `PackedRows` of `dot` row by row.
+/// A `PackedRows` of `dot` row by row, the first run then the second.
 fn rows_with(
     dot: fn(&[u8], &[u8], &[f32]) -> f32,
-    packed: &[u8],
-    scales: &[u8],
+    runs: [RowBytes; 2],
     x: &[f32],
-    out: &mut [f32],
+    outs: [&mut [f32]; 2],
 ) {
-    if out.is_empty() {
-        return;
-    }
-    let (row_bytes, row_scales) = (packed.len() / out.len(), scales.len() / out.len());
-    let rows = packed
-        .chunks_exact(row_bytes)
-        .zip(scales.chunks_exact(row_scales));
-    for ((packed, scales), y) in rows.zip(out) {
-        *y = dot(packed, scales, x);
+    for ((packed, scales), out) in runs.into_iter().zip(outs) {
+        if out.is_empty() {
+            continue;
+        }
+        let (row_bytes, row_scales) = (packed.len() / out.len(), scales.len() / out.len());
+        let rows = packed
+            .chunks_exact(row_bytes)
+            .zip(scales.chunks_exact(row_scales));
+        for ((packed, scales), y) in rows.zip(out) {
+            *y = dot(packed, scales, x);
+        }
     }
 }
 
@@ -253,9 +259,7 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
                 x86_512::folded::dot_mxfp4_each(blocks, scales, xs, out)
             },
             tile: |rows, xs, out| unsafe { x86_512::folded::mxfp4_tile(rows, xs, out) },
-            rows: |blocks, scales, x, out| unsafe {
-                x86_512::folded::dot_mxfp4_rows(blocks, scales, x, out)
-            },
+            rows: |runs, x, outs| unsafe { x86_512::folded::dot_mxfp4_rows(runs, x, outs) },
         },
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx512 => mxfp4_dot_per_run(),
@@ -268,9 +272,7 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
                 each_with(mxfp4_dot(CpuKernels::Avx2).dot, blocks, scales, xs, out)
             },
             |rows, xs, out| tile_with(mxfp4_dot(CpuKernels::Avx2).dot_each, rows, xs, out),
-            |blocks, scales, x, out| {
-                rows_with(mxfp4_dot(CpuKernels::Avx2).dot, blocks, scales, x, out)
-            },
+            |runs, x, outs| rows_with(mxfp4_dot(CpuKernels::Avx2).dot, runs, x, outs),
         ),
         _ => PackedDot::one_at_a_time(
             InputOrder::Natural,
@@ -285,9 +287,7 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
                 )
             },
             |rows, xs, out| tile_with(mxfp4_dot(CpuKernels::Scalar).dot_each, rows, xs, out),
-            |blocks, scales, x, out| {
-                rows_with(crate::cpu::matmul::dot_mxfp4_scalar, blocks, scales, x, out)
-            },
+            |runs, x, outs| rows_with(crate::cpu::matmul::dot_mxfp4_scalar, runs, x, outs),
         ),
     }
 }
@@ -305,7 +305,7 @@ fn mxfp4_dot_per_run() -> PackedDot {
             x86_512::dot_packed_each(MXFP4, blocks, scales, xs, out)
         },
         tile: |rows, xs, out| unsafe { x86_512::packed_rows_tile(MXFP4, rows, xs, out) },
-        rows: |blocks, scales, x, out| rows_with(mxfp4_dot_per_run().dot, blocks, scales, x, out),
+        rows: |runs, x, outs| rows_with(mxfp4_dot_per_run().dot, runs, x, outs),
     }
 }
 
@@ -338,9 +338,7 @@ pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
                 x86_512::dot_packed_each(INT4, qweight, scales, xs, out)
             },
             tile: |rows, xs, out| unsafe { x86_512::packed_rows_tile(INT4, rows, xs, out) },
-            rows: |qweight, scales, x, out| {
-                rows_with(int4_dot(CpuKernels::Avx512).dot, qweight, scales, x, out)
-            },
+            rows: |runs, x, outs| rows_with(int4_dot(CpuKernels::Avx512).dot, runs, x, outs),
         },
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => PackedDot::one_at_a_time(
@@ -351,9 +349,7 @@ pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
                 each_with(int4_dot(CpuKernels::Avx2).dot, qweight, scales, xs, out)
             },
             |rows, xs, out| tile_with(int4_dot(CpuKernels::Avx2).dot_each, rows, xs, out),
-            |qweight, scales, x, out| {
-                rows_with(int4_dot(CpuKernels::Avx2).dot, qweight, scales, x, out)
-            },
+            |runs, x, outs| rows_with(int4_dot(CpuKernels::Avx2).dot, runs, x, outs),
         ),
         _ => PackedDot::one_at_a_time(
             InputOrder::Natural,
@@ -368,9 +364,7 @@ pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
                 )
             },
             |rows, xs, out| tile_with(int4_dot(CpuKernels::Scalar).dot_each, rows, xs, out),
-            |qweight, scales, x, out| {
-                rows_with(crate::cpu::matmul::dot_int4_scalar, qweight, scales, x, out)
-            },
+            |runs, x, outs| rows_with(crate::cpu::matmul::dot_int4_scalar, runs, x, outs),
         ),
     }
 }
@@ -1893,23 +1887,25 @@ mod tests {
                     let rows: Vec<(&[u8], &[u8])> = (0..TILE_ROWS)
                         .map(|r| (&wide_blocks[r * 16..r * 16 + n / 2], &scales[..]))
                         .collect();
-                    // Consecutive rows through the decode entry, one input at a time.
+                    // Consecutive rows through the decode entry as two runs side by side, one
+                    // input at a time: even runs, and uneven ones (rows without a partner at
+                    // the end of the first run or of the second).
                     let consecutive: Vec<u8> =
                         rows.iter().flat_map(|r| r.0.iter().copied()).collect();
                     let all_scales = scales.repeat(TILE_ROWS);
-                    // An odd count leaves a row without a partner in the decode's pairs.
-                    for (x, count) in refs
-                        .iter()
-                        .zip([TILE_ROWS, TILE_ROWS - 1].into_iter().cycle())
-                    {
+                    let (row_bytes, row_scales) = (n / 2, scales.len());
+                    for (i, x) in refs.iter().enumerate() {
+                        let count = [TILE_ROWS, TILE_ROWS - 1, TILE_ROWS - 1, 5][i % 4];
+                        let split = [count / 2, count / 2, count / 2 + 1, 4][i % 4];
+                        let run = |rows: std::ops::Range<usize>| {
+                            (
+                                &consecutive[rows.start * row_bytes..rows.end * row_bytes],
+                                &all_scales[rows.start * row_scales..rows.end * row_scales],
+                            )
+                        };
                         let mut each_row = vec![0f32; count];
-                        let bytes = count * n / 2;
-                        (kernel.rows)(
-                            &consecutive[..bytes],
-                            &all_scales[..count * scales.len()],
-                            x,
-                            &mut each_row,
-                        );
+                        let (first, second) = each_row.split_at_mut(split);
+                        (kernel.rows)([run(0..split), run(split..count)], x, [first, second]);
                         for (r, (packed, s)) in rows[..count].iter().enumerate() {
                             assert_eq!(
                                 each_row[r].to_bits(),
@@ -1968,32 +1964,35 @@ mod tests {
         let mut at_the_edge = vec![127u8; n / 32];
         at_the_edge[0] = 254;
         for (name, kernel) in avx512_mxfp4_kernels() {
-            // Rows back to back through the decode entry (which takes them in pairs: two that
-            // fold, one that folds with one that does not, two that do not, one alone): the
-            // same values as one by one.
+            // Two runs of rows through the decode entry, which pairs row i of one with row i of
+            // the other: every pairing of rows that fold and rows that do not, then a row
+            // alone (at the end of either run). The same values as one by one.
             let mut arranged = AlignedFloats::default();
             let input = kernel.input_order.arrange(&x, n, &mut arranged);
-            let decoded = [
-                &ordinary,
-                &ordinary,
-                &ordinary,
-                &large,
-                &at_the_edge,
-                &large,
-                &ordinary,
-            ];
-            let mut consecutive = [0f32; 7];
-            (kernel.rows)(
-                &blocks.repeat(decoded.len()),
-                &decoded.map(|s| &s[..]).concat(),
-                input,
-                &mut consecutive,
-            );
-            for (scales, row) in decoded.iter().zip(consecutive) {
-                assert_eq!(
-                    row.to_bits(),
-                    (kernel.dot)(&blocks, scales, input).to_bits()
+            let kinds = [&ordinary, &large, &at_the_edge];
+            let mut first: Vec<&Vec<u8>> = kinds.iter().flat_map(|k| [*k; 3]).collect();
+            first.push(&ordinary);
+            let second: Vec<&Vec<u8>> = (0..3).flat_map(|_| kinds).collect();
+            for runs in [[&first, &second], [&second, &first]] {
+                let mut outs = runs.map(|run| vec![0f32; run.len()]);
+                let bytes = runs.map(|run| blocks.repeat(run.len()));
+                let scales =
+                    runs.map(|run| run.iter().map(|s| &s[..]).collect::<Vec<_>>().concat());
+                let [a, b] = &mut outs;
+                (kernel.rows)(
+                    [(&bytes[0], &scales[0]), (&bytes[1], &scales[1])],
+                    input,
+                    [a, b],
                 );
+                for (run, out) in runs.iter().zip(&outs) {
+                    for (scales, row) in run.iter().zip(out) {
+                        assert_eq!(
+                            row.to_bits(),
+                            (kernel.dot)(&blocks, scales, input).to_bits(),
+                            "{name}"
+                        );
+                    }
+                }
             }
             for scales in [&ordinary, &large, &at_the_edge] {
                 let mut magnitude = 0f32;

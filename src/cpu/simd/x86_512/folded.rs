@@ -276,21 +276,27 @@ pub unsafe fn dot_mxfp4_each(blocks: &[u8], scales: &[u8], xs: &[&[f32]], out: &
     });
 }
 
-/// Consecutive rows (each `x.len() / 2` bytes and `x.len() / 32` scales) times one input:
-/// `out[i] = row i . x`, bit-identical to `dot_mxfp4`. Decode's form: one scan of all the rows'
-/// scales, then the rows `TOGETHER` at a time through `rows_dots`.
+/// Two runs of consecutive rows (each row `x.len() / 2` bytes and `x.len() / 32` scales) times
+/// one input: `outs[k][i] = row i of run k . x`, bit-identical to `dot_mxfp4`. Decode's form:
+/// one scan of each run's scales, then row i of both runs side by side through `rows_dots`
+/// (two streams from memory), the rows one run has beyond the other's one at a time.
 ///
 /// # Safety
 /// As `dot_mxfp4`, for every row.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
-pub unsafe fn dot_mxfp4_rows(blocks: &[u8], scales: &[u8], x: &[f32], out: &mut [f32]) {
+pub unsafe fn dot_mxfp4_rows(runs: [(&[u8], &[u8]); 2], x: &[f32], outs: [&mut [f32]; 2]) {
     let groups = x.len() / 32;
-    assert!(
-        blocks.len() == 16 * groups * out.len() && scales.len() == groups * out.len(),
-        "consecutive MXFP4 rows hold 16 bytes and one scale per group of the input"
-    );
-    let all_fold = folds(scales);
-    let row = |r: usize| {
+    let row_sets = [0, 1].map(|k| {
+        let (blocks, scales) = runs[k];
+        let rows = outs[k].len();
+        assert!(
+            blocks.len() == 16 * groups * rows && scales.len() == groups * rows,
+            "consecutive MXFP4 rows hold 16 bytes and one scale per group of the input"
+        );
+        (blocks, scales, folds(scales))
+    });
+    let row = |k: usize, r: usize| {
+        let (blocks, scales, all_fold) = row_sets[k];
         let scales = &scales[r * groups..(r + 1) * groups];
         Row {
             packed: &blocks[16 * r * groups..16 * (r + 1) * groups],
@@ -298,25 +304,25 @@ pub unsafe fn dot_mxfp4_rows(blocks: &[u8], scales: &[u8], x: &[f32], out: &mut 
             folds: all_fold || folds(scales),
         }
     };
-    let together = out.len() / TOGETHER * TOGETHER;
-    for (p, ys) in out[..together].chunks_exact_mut(TOGETHER).enumerate() {
-        let rows: [Row; TOGETHER] = std::array::from_fn(|i| row(TOGETHER * p + i));
+    let [first, second] = outs;
+    let paired = first.len().min(second.len());
+    for r in 0..paired {
         // Safety: the caller's guarantees.
-        ys.copy_from_slice(&unsafe { rows_dots(rows, x) });
+        let [a, b] = unsafe { rows_dots([row(0, r), row(1, r)], x) };
+        (first[r], second[r]) = (a, b);
     }
-    for (r, y) in out.iter_mut().enumerate().skip(together) {
-        // Safety: the caller's guarantees.
-        *y = unsafe { row_dots(row(r), [x])[0] };
+    for (k, out) in [first, second].into_iter().enumerate() {
+        for (r, y) in out.iter_mut().enumerate().skip(paired) {
+            // Safety: the caller's guarantees.
+            *y = unsafe { row_dots(row(k, r), [x])[0] };
+        }
     }
 }
 
-/// Rows decode computes side by side (four: 4-12% slower than two, whose weights stay in
-/// registers).
-const TOGETHER: usize = 2;
-
 /// `R` rows times one input, each bit-identical to `row_dots`: where all fold, their runs go
 /// side by side, each input vector loaded once for all and 2 R sums in flight (one row's two
-/// would leave each multiply-add waiting on the one before).
+/// would leave each multiply-add waiting on the one before). Decode takes two (four were 4-12%
+/// slower: their weights spill from registers).
 ///
 /// # Safety
 /// As `folded_runs`, for every row.
