@@ -155,6 +155,33 @@ impl TensorBytes {
         }
     }
 
+    /// Reads a mapped range into the OS page cache on a background thread, a chunk at a time
+    /// (each faulted in, then released), so the process's resident memory grows by one chunk at
+    /// most: for weights read a row at a time, such as the embeddings, whose first reads would
+    /// otherwise each wait on the disk (measured on the synthetic 20B after its pages were
+    /// evicted: 2.7 ms per embedding row, 3.3 ms per decoded token). `MADV_WILLNEED` alone reads
+    /// only the first few hundred KiB. Nothing to do for bytes in memory.
+    pub fn read_ahead(&self) {
+        const CHUNK: usize = 8 << 20;
+        if !matches!(self.backing, Backing::Mapped(_)) {
+            return;
+        }
+        let bytes = self.clone();
+        let started = std::thread::Builder::new()
+            .name("picchio-read-ahead".into())
+            .spawn(move || {
+                let len = bytes.range.len();
+                for start in (0..len).step_by(CHUNK) {
+                    let chunk = bytes.slice(start..(start + CHUNK).min(len));
+                    chunk.populate();
+                    chunk.release();
+                }
+            });
+        if let Err(e) = started {
+            log::debug!("no read-ahead thread: {e}");
+        }
+    }
+
     /// Drops the process's pages of a mapped range (the data stays in the file and the OS page
     /// cache, and reading it again faults it back in): for weights a copy has replaced, so they
     /// stop counting in the resident memory. Nothing to do for bytes in memory.

@@ -12,16 +12,23 @@ use crate::weights::{
 
 const LANES: usize = 8;
 
-/// Weight bytes one parallel task reads for a single token (decode): enough to outweigh its
-/// scheduling, few enough that the threads finish a call together (the last task runs alone).
-/// Measured on the synthetic 20B: bf16 rows 64 at a time (368-512 KB) read at 27-28 GB/s,
-/// 16 at a time at 30-31.
+/// Weight bytes one parallel task reads for a single token (decode), at least: enough to
+/// outweigh its scheduling, few enough that the threads finish a call together (the last task
+/// runs alone). Measured on the synthetic 20B: bf16 projections 64 rows at a time (368-512 KB)
+/// read at 27-28 GB/s, 16 at a time at 30-31.
 const DECODE_TASK_BYTES: usize = 96 << 10;
 
-/// Rows of `row_bytes` each that one decode task computes: `DECODE_TASK_BYTES` of them, a
-/// multiple of four rows (a packed task splits them between its two streams of rows).
-fn decode_rows_per_task(row_bytes: usize) -> usize {
-    (DECODE_TASK_BYTES / row_bytes.max(1) / 4 * 4).max(4)
+/// Tasks per thread a large decode call is cut into: the LM head (1.16 GB) in 96 KiB tasks read
+/// at 27.5-29.8 GB/s, in 1.5 MiB tasks at 31-32.
+const DECODE_TASKS_PER_THREAD: usize = 128;
+
+/// Rows of `row_bytes` each that one decode task of a `rows`-row matrix computes: a
+/// `DECODE_TASKS_PER_THREAD` share of the matrix, between `DECODE_TASK_BYTES` and 16 times
+/// that, and a multiple of four rows (a packed task splits them between its two streams).
+fn decode_rows_per_task(rows: usize, row_bytes: usize) -> usize {
+    let share = rows * row_bytes / (DECODE_TASKS_PER_THREAD * rayon::current_num_threads());
+    let bytes = share.clamp(DECODE_TASK_BYTES, 16 * DECODE_TASK_BYTES);
+    (bytes / row_bytes.max(1) / 4 * 4).max(4)
 }
 
 /// `acc[i] += x[i]`.
@@ -179,7 +186,7 @@ pub(crate) fn rows_times_tokens(
     let xs = super::simd::InputOrder::Natural.arrange(xs, cols, &mut aligned);
     let inputs: Vec<&[f32]> = xs.chunks_exact(cols).collect();
     if tokens == 1 {
-        let rows_per_task = decode_rows_per_task(row_bytes);
+        let rows_per_task = decode_rows_per_task(rows, row_bytes);
         out.par_chunks_mut(rows_per_task)
             .enumerate()
             .for_each(|(chunk, ys)| {
@@ -291,7 +298,7 @@ fn packed_matmul<'w>(
         // far apart. Measured on the synthetic 20B's experts: 20.8 GB/s with rows read in
         // adjacent pairs, 24-25 GB/s with one stream per half.
         let half = rows / 2;
-        let per_task = (decode_rows_per_task(packed_row_bytes(cols)) / 2).max(1);
+        let per_task = (decode_rows_per_task(rows, packed_row_bytes(cols)) / 2).max(1);
         let (first_half, second_half) = out.split_at_mut(half);
         let (second_half, last) = second_half.split_at_mut(half);
         first_half

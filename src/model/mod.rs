@@ -259,6 +259,11 @@ impl Model {
                 ram_budget = RamBudget::Percent(100.0);
             }
         }
+        if q8.is_none() {
+            // Read a row per token: the OS fetches their pages in the background now, not one
+            // new token's row at a time while decoding.
+            weights.embeddings.data.read_ahead();
+        }
         let experts = ExpertStore::open(
             &checkpoint,
             &weights,
@@ -287,7 +292,8 @@ impl Model {
     /// Faults in the mapped dense weights, and the experts when they all fit the RAM budget
     /// (`ExpertStore::warm_up`), so that timing starts with the model in memory.
     pub fn warm_up(&self) {
-        // Not the embeddings: a prompt reads one row per token.
+        // Not the embeddings: a prompt reads one row per token (the load asked the OS to read
+        // them into its page cache).
         self.checkpoint_matrices_per_token()
             .par_iter()
             .for_each(|m| m.data.populate());

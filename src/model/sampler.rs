@@ -17,6 +17,29 @@ pub fn top_k(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
     if k == 0 {
         return Vec::new();
     }
+    if k > FEW {
+        return top_k_by_selection(logits, k);
+    }
+    // One pass keeping the best so far in order: every decoded token asks for its best two,
+    // and selecting them from an index of the whole vocabulary cost milliseconds.
+    let ranks_before = |a: usize, b: usize| logits[a].total_cmp(&logits[b]).then(b.cmp(&a)).is_gt();
+    let mut best: Vec<usize> = Vec::with_capacity(k + 1);
+    for i in 0..logits.len() {
+        if best.len() == k && !ranks_before(i, best[k - 1]) {
+            continue;
+        }
+        let at = best.partition_point(|&j| ranks_before(j, i));
+        best.insert(at, i);
+        best.truncate(k);
+    }
+    best.into_iter().map(|i| (i as u32, logits[i])).collect()
+}
+
+/// Largest `k` that `top_k` keeps in one pass rather than selecting from all ids.
+const FEW: usize = 64;
+
+/// `top_k` by selection over every id.
+fn top_k_by_selection(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
     let order = |a: &usize, b: &usize| logits[*b].total_cmp(&logits[*a]).then(a.cmp(b));
     let mut ids: Vec<usize> = (0..logits.len()).collect();
     if k < ids.len() {
@@ -288,5 +311,22 @@ mod tests {
         let top = top_k(&[0.5, 2.0, -1.0, 2.0, 1.0], 3);
         assert_eq!(top, vec![(1, 2.0), (3, 2.0), (4, 1.0)]);
         assert_eq!(top_k(&[1.0, 2.0], 5).len(), 2);
+        // The one-pass path and selection agree, ties (lower id first), NaN and infinities
+        // included.
+        let logits: Vec<f32> = (0..5000u32)
+            .map(|i| match i % 997 {
+                3 => f32::NAN,
+                5 => f32::INFINITY,
+                7 => f32::NEG_INFINITY,
+                _ => ((i.wrapping_mul(2654435761) >> 20) % 300) as f32 * 0.25 - 30.0,
+            })
+            .collect();
+        for k in [1, 2, 3, 10, FEW] {
+            let one_pass = top_k(&logits, k);
+            let selected = top_k_by_selection(&logits, k);
+            let bits =
+                |v: &[(u32, f32)]| v.iter().map(|(i, l)| (*i, l.to_bits())).collect::<Vec<_>>();
+            assert_eq!(bits(&one_pass), bits(&selected), "k = {k}");
+        }
     }
 }
