@@ -1,14 +1,17 @@
 //! Choosing tokens from logits.
 
-/// The index of the largest logit (the first one on ties, as torch.argmax). NaN never wins.
+/// The index of the largest logit (the first one on ties, as torch.argmax). NaN never wins over a
+/// number.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in logits.iter().enumerate() {
-        if *v > logits[best] || logits[best].is_nan() {
-            best = i;
-        }
+    // The largest value NaNs aside (`f32::max` skips them), then where it first occurs: two
+    // plain passes, where one compare-and-branch loop took half a millisecond over GPT-OSS's
+    // vocabulary (every decoded token).
+    let max = logits.iter().copied().fold(f32::NAN, f32::max);
+    if max.is_nan() {
+        // Nothing but NaN: the last one, as the loop this replaced chose.
+        return logits.len().saturating_sub(1) as u32;
     }
-    best as u32
+    logits.iter().position(|&v| v == max).unwrap_or(0) as u32
 }
 
 /// The `k` largest logits as `(id, logit)`, largest first (lower id first on ties).
@@ -304,6 +307,11 @@ mod tests {
     fn argmax_takes_first_maximum() {
         assert_eq!(argmax(&[1.0, 3.0, 3.0, -1.0]), 1);
         assert_eq!(argmax(&[f32::NAN, 0.5, 0.25]), 1);
+        assert_eq!(argmax(&[1.0, f32::NAN, 2.0, 2.0]), 2);
+        assert_eq!(argmax(&[-0.0, 0.0]), 0);
+        assert_eq!(argmax(&[f32::NEG_INFINITY, f32::NEG_INFINITY]), 0);
+        assert_eq!(argmax(&[f32::NAN, f32::NAN]), 1);
+        assert_eq!(argmax(&[]), 0);
     }
 
     #[test]
