@@ -96,14 +96,15 @@ impl<'a> Row<'a> {
 
 /// The 128 weights of run `c` of a folding row as 8 vectors: vector k holds the 16 weights that
 /// multiply inputs `128 c + 16 k ..` (group k / 2 of the run: its even inputs for even k).
+/// `tables` is `scaled_tables()`, fetched once by the caller's loop: fetched here, its
+/// initialization check and the registers it holds cost the loop spills.
 ///
 /// # Safety
 /// AVX-512 F/BW/VL and VBMI; run c exists (`c < row.groups() / 4`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
 #[inline]
-unsafe fn run_weights(row: Row, c: usize) -> [__m512; 8] {
+unsafe fn run_weights(row: Row, c: usize, tables: &[ScaledTable; 256]) -> [__m512; 8] {
     let (p, s) = (row.packed.as_ptr(), row.scales.as_ptr());
-    let tables = scaled_tables().as_ptr();
     prefetch_ahead(p.wrapping_add(64 * c), 64);
     // Safety: RUN_TRANSPOSE holds 64 bytes; run c's 64 bytes and 4 scales exist (the caller's
     // guarantee); a scale byte indexes one of the 256 tables. (No closures: they would not
@@ -111,10 +112,11 @@ unsafe fn run_weights(row: Row, c: usize) -> [__m512; 8] {
     unsafe {
         let transpose = _mm512_loadu_si512(RUN_TRANSPOSE.as_ptr().cast());
         let words = _mm512_permutexvar_epi8(transpose, _mm512_loadu_si512(p.add(64 * c).cast()));
-        let t0 = _mm512_load_ps(tables.add(*s.add(4 * c) as usize).cast());
-        let t1 = _mm512_load_ps(tables.add(*s.add(4 * c + 1) as usize).cast());
-        let t2 = _mm512_load_ps(tables.add(*s.add(4 * c + 2) as usize).cast());
-        let t3 = _mm512_load_ps(tables.add(*s.add(4 * c + 3) as usize).cast());
+        let table = |k: usize| tables[*s.add(4 * c + k) as usize].0.as_ptr();
+        let t0 = _mm512_load_ps(table(0));
+        let t1 = _mm512_load_ps(table(1));
+        let t2 = _mm512_load_ps(table(2));
+        let t3 = _mm512_load_ps(table(3));
         [
             _mm512_permutexvar_ps(words, t0),
             _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(words), t0),
@@ -142,9 +144,10 @@ unsafe fn folded_runs<const T: usize>(
 ) {
     assert!(runs.end <= row.groups() / 4 && xs.iter().all(|x| x.len() == 32 * row.groups()));
     let mut acc = *sums;
+    let tables = scaled_tables();
     for c in runs {
         // Safety: run c exists (asserted above).
-        let weights = unsafe { run_weights(row, c) };
+        let weights = unsafe { run_weights(row, c, tables) };
         for (k, w) in weights.into_iter().enumerate() {
             for (a, x) in acc.iter_mut().zip(&xs) {
                 // Safety: run c's 128 inputs are in bounds (asserted above).
@@ -340,11 +343,12 @@ unsafe fn rows_dots<const R: usize>(rows: [Row; R], x: &[f32]) -> [f32; R] {
     let groups = rows[0].groups();
     assert!(rows.iter().all(|r| r.groups() == groups) && x.len() == 32 * groups);
     let mut sums = [[[_mm512_setzero_ps(); 2]; 1]; R];
+    let tables = scaled_tables();
     for c in 0..groups / 4 {
         let mut weights = [[_mm512_setzero_ps(); 8]; R];
         for (w, row) in weights.iter_mut().zip(rows) {
             // Safety: run c exists in every row.
-            *w = unsafe { run_weights(row, c) };
+            *w = unsafe { run_weights(row, c, tables) };
         }
         for k in 0..8 {
             // Safety: run c's 128 inputs are in bounds (asserted above).
