@@ -160,10 +160,11 @@ impl TensorBytes {
     /// most: for weights read a row at a time, such as the embeddings, whose first reads would
     /// otherwise each wait on the disk (measured on the synthetic 20B after its pages were
     /// evicted: 2.7 ms per embedding row, 3.3 ms per decoded token). `MADV_WILLNEED` alone reads
-    /// only the first few hundred KiB. Nothing to do for bytes in memory.
+    /// only the first few hundred KiB. Nothing to do for bytes in memory, or off Linux (where
+    /// releasing the pages is not known to leave them cached).
     pub fn read_ahead(&self) {
         const CHUNK: usize = 8 << 20;
-        if !matches!(self.backing, Backing::Mapped(_)) {
+        if !cfg!(target_os = "linux") || !matches!(self.backing, Backing::Mapped(_)) {
             return;
         }
         let bytes = self.clone();
