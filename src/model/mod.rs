@@ -14,7 +14,7 @@ use std::sync::Mutex;
 use rayon::prelude::*;
 
 use crate::config::Config;
-use crate::cpu::attention::{HeadLayout, attend_head, first_visible_key};
+use crate::cpu::attention::{HeadLayout, attend_group, first_visible_key};
 use crate::cpu::matmul::{add_into, dense_matmul, expert_matmul};
 use crate::cpu::moe::{Routing, clamped_swiglu, route};
 use crate::cpu::norm::rms_norm;
@@ -561,23 +561,26 @@ impl Model {
                     cache.get(l, j)
                 }
             };
-            // One task per (position, head): decode has one position but many heads.
-            let d = cfg.head_dim;
-            out.par_chunks_mut(d).enumerate().for_each(|(i, oh)| {
-                let (t, h) = (i / cfg.num_heads, i % cfg.num_heads);
-                let position = start + t;
-                let keys = first_visible_key(position, window)..=position;
-                attend_head(
-                    layout,
-                    h,
-                    &q[t * qd..(t + 1) * qd],
-                    keys,
-                    &kv,
-                    layer.sinks[h],
-                    scaling,
-                    oh,
-                );
-            });
+            // One task per (position, kv head): decode has one position but several kv heads,
+            // each read once for the query heads that share it.
+            let group_width = layout.heads_per_kv_head() * cfg.head_dim;
+            out.par_chunks_mut(group_width)
+                .enumerate()
+                .for_each(|(i, out)| {
+                    let (t, g) = (i / cfg.num_kv_heads, i % cfg.num_kv_heads);
+                    let position = start + t;
+                    let keys = first_visible_key(position, window)..=position;
+                    attend_group(
+                        layout,
+                        g,
+                        &q[t * qd..(t + 1) * qd],
+                        keys,
+                        &kv,
+                        &layer.sinks,
+                        scaling,
+                        out,
+                    );
+                });
         }
         cache.store(l, &k, &v);
 
