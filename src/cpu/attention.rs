@@ -125,57 +125,57 @@ pub fn attend_group<'a>(
     }
 }
 
-/// Head `h` of `attend` alone: its output `oh` (`head_dim` values), the values `attend_group`
-/// gives it.
-#[allow(clippy::too_many_arguments)]
-pub fn attend_head<'a>(
-    layout: HeadLayout,
-    h: usize,
-    q: &[f32],
-    keys: std::ops::RangeInclusive<usize>,
-    kv: &impl Fn(usize) -> (&'a [f32], &'a [f32]),
-    sink: f32,
-    scaling: f32,
-    oh: &mut [f32],
-) {
-    let d = layout.head_dim;
-    let g = h / layout.heads_per_kv_head();
-    let qh = &q[h * d..(h + 1) * d];
-    let dot = super::simd::float_dot(super::simd::kernels());
-    let scores: Vec<f32> = keys
-        .clone()
-        .map(|j| {
-            let kh = &kv(j).0[g * d..(g + 1) * d];
-            dot(
-                crate::weights::FloatFormat::F32,
-                bytemuck::cast_slice(kh),
-                qh,
-            ) * scaling
-        })
-        .collect();
-    let max = scores.iter().copied().fold(sink, f32::max);
-    let mut denominator = (sink - max).exp();
-    let weights: Vec<f32> = scores
-        .iter()
-        .map(|s| {
-            let e = (s - max).exp();
-            denominator += e;
-            e
-        })
-        .collect();
-    oh.fill(0.0);
-    for (e, j) in weights.iter().zip(keys) {
-        let p = e / denominator;
-        let vh = &kv(j).1[g * d..(g + 1) * d];
-        for (o, v) in oh.iter_mut().zip(vh) {
-            *o += p * v;
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Head `h` of `attend` computed alone, the way the CPU tier did before heads were grouped:
+    /// the reference `attend_group` must match bit for bit.
+    #[allow(clippy::too_many_arguments)]
+    fn attend_head<'a>(
+        layout: HeadLayout,
+        h: usize,
+        q: &[f32],
+        keys: std::ops::RangeInclusive<usize>,
+        kv: &impl Fn(usize) -> (&'a [f32], &'a [f32]),
+        sink: f32,
+        scaling: f32,
+        oh: &mut [f32],
+    ) {
+        let d = layout.head_dim;
+        let g = h / layout.heads_per_kv_head();
+        let qh = &q[h * d..(h + 1) * d];
+        let dot = crate::cpu::simd::float_dot(crate::cpu::simd::kernels());
+        let scores: Vec<f32> = keys
+            .clone()
+            .map(|j| {
+                let kh = &kv(j).0[g * d..(g + 1) * d];
+                dot(
+                    crate::weights::FloatFormat::F32,
+                    bytemuck::cast_slice(kh),
+                    qh,
+                ) * scaling
+            })
+            .collect();
+        let max = scores.iter().copied().fold(sink, f32::max);
+        let mut denominator = (sink - max).exp();
+        let weights: Vec<f32> = scores
+            .iter()
+            .map(|s| {
+                let e = (s - max).exp();
+                denominator += e;
+                e
+            })
+            .collect();
+        oh.fill(0.0);
+        for (e, j) in weights.iter().zip(keys) {
+            let p = e / denominator;
+            let vh = &kv(j).1[g * d..(g + 1) * d];
+            for (o, v) in oh.iter_mut().zip(vh) {
+                *o += p * v;
+            }
+        }
+    }
 
     #[test]
     fn window_holds_w_keys_including_the_query() {

@@ -107,8 +107,8 @@ unsafe fn run_weights(row: Row, c: usize, tables: &[ScaledTable; 256]) -> [__m51
     let (p, s) = (row.packed.as_ptr(), row.scales.as_ptr());
     prefetch_ahead(p.wrapping_add(64 * c), 64);
     // Safety: RUN_TRANSPOSE holds 64 bytes; run c's 64 bytes and 4 scales exist (the caller's
-    // guarantee); a scale byte indexes one of the 256 tables. (No closures: they would not
-    // inherit the target features.)
+    // guarantee); a scale byte indexes one of the 256 tables. (The one closure only computes
+    // addresses: closures calling intrinsics would not inherit the target features.)
     unsafe {
         let transpose = _mm512_loadu_si512(RUN_TRANSPOSE.as_ptr().cast());
         let words = _mm512_permutexvar_epi8(transpose, _mm512_loadu_si512(p.add(64 * c).cast()));
