@@ -15,7 +15,10 @@ const LANES: usize = 8;
 /// Weight bytes one parallel task reads for a single token (decode), at least: enough to
 /// outweigh its scheduling, few enough that the threads finish a call together (the last task
 /// runs alone). Measured on the synthetic 20B: bf16 projections 64 rows at a time (368-512 KB)
-/// read at 27-28 GB/s, 16 at a time at 30-31.
+/// read at 27-28 GB/s, 16 at a time at 30-31. Each task is its own rayon job (`with_max_len(1)`):
+/// left to split adaptively, rayon ran up to a quarter of a call as one piece the other thread
+/// could not share, which then waited at the end of the call (each thread idle 4-9% of decode,
+/// sampled with perf; 3-4% with one job per task).
 const DECODE_TASK_BYTES: usize = 96 << 10;
 
 /// Tasks per thread a large decode call is cut into: the LM head (1.16 GB) in 96 KiB tasks read
@@ -189,6 +192,7 @@ pub(crate) fn rows_times_tokens(
         let rows_per_task = decode_rows_per_task(rows, row_bytes);
         out.par_chunks_mut(rows_per_task)
             .enumerate()
+            .with_max_len(1) // See `DECODE_TASK_BYTES`.
             .for_each(|(chunk, ys)| {
                 for (k, y) in ys.iter_mut().enumerate() {
                     let r = chunk * rows_per_task + k;
@@ -293,6 +297,9 @@ fn packed_matmul<'w>(
     let mut split = super::simd::AlignedFloats::default();
     let input = kernel.input_order.arrange(xs, cols, &mut split);
     if xs.len() == cols && out.len() == rows {
+        if let Some(b) = bias {
+            assert_eq!(b.len(), rows, "bias has the wrong size");
+        }
         // Decode: each task takes a chunk of the first half of the rows and the same chunk of
         // the second half, and the kernel reads them side by side: two streams from memory,
         // far apart. Measured on the synthetic 20B's experts: 20.8 GB/s with rows read in
@@ -305,19 +312,26 @@ fn packed_matmul<'w>(
             .par_chunks_mut(per_task)
             .zip(second_half.par_chunks_mut(per_task))
             .enumerate()
+            .with_max_len(1) // See `DECODE_TASK_BYTES`.
             .for_each(|(chunk, (a, b))| {
                 let first = chunk * per_task;
                 let runs = [
                     rows_of(first..first + a.len()),
                     rows_of(half + first..half + first + b.len()),
                 ];
-                (kernel.rows)(runs, input, [a, b]);
+                (kernel.rows)(runs, input, [&mut *a, &mut *b]);
+                // Here, while the sums are in this core's cache: added afterwards by one thread,
+                // the biases took a tenth of the experts' decode samples (perf).
+                if let Some(bias) = bias {
+                    add_into(a, &bias[first..]);
+                    add_into(b, &bias[half + first..]);
+                }
             });
         // An odd row count leaves the last row without a partner.
         let runs = [rows_of(2 * half..rows), rows_of(rows..rows)];
-        (kernel.rows)(runs, input, [last, &mut []]);
-        if let Some(b) = bias {
-            add_into(out, b);
+        (kernel.rows)(runs, input, [&mut *last, &mut []]);
+        if let Some(bias) = bias {
+            add_into(last, &bias[2 * half..]);
         }
         return;
     }
