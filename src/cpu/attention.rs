@@ -52,13 +52,16 @@ impl HeadLayout {
 /// lie a whole position apart, a stride the hardware prefetchers follow late.
 const PREFETCH_KEYS: usize = 8;
 
+/// Query heads scored side by side, one per lane: GPT-OSS and Qwen3-MoE have 8 per kv head (a
+/// group with fewer leaves lanes idle; one with more takes several passes).
+const HEAD_LANES: usize = 8;
+
 /// The query heads of kv head `g` in `attend`: their outputs `out` (`heads_per_kv_head *
 /// head_dim` values), from `q` and `sinks` of every head. The group's heads go together, so that
 /// each key and value is read once for all of them (the cache a long context holds no longer
-/// fits near the core: one head at a time read it once per head). Each head's values are the
-/// ones it gets alone: its scores are dot products of the CPU tier's float kernel (the same
-/// summation order for every position, batch and group), and its softmax and weighted sum run
-/// over the keys in order.
+/// fits near the core), with the heads in SIMD lanes: each key element times every head's query
+/// element in one multiply-add, then the softmax of all heads' scores at once. Every position,
+/// batch and group sums in the same order, so prefill and decode give the same bits.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_group<'a>(
     layout: HeadLayout,
@@ -70,67 +73,225 @@ pub fn attend_group<'a>(
     scaling: f32,
     out: &mut [f32],
 ) {
+    let group = Group {
+        layout,
+        g,
+        q,
+        sinks,
+        scaling,
+    };
+    attend_group_on(super::simd::kernels(), group, keys, kv, out)
+}
+
+/// `attend_group` with the kernels of `kernels` (the portable build where the CPU lacks them).
+fn attend_group_on<'a>(
+    kernels: super::simd::CpuKernels,
+    group: Group,
+    keys: std::ops::RangeInclusive<usize>,
+    kv: &impl Fn(usize) -> (&'a [f32], &'a [f32]),
+    out: &mut [f32],
+) {
+    match kernels.min(super::simd::detect()) {
+        // Safety (each): `detect()` found the features the function enables.
+        #[cfg(target_arch = "x86_64")]
+        super::simd::CpuKernels::Avx512 => unsafe { attend_group_avx512(group, keys, kv, out) },
+        #[cfg(target_arch = "x86_64")]
+        super::simd::CpuKernels::Avx2 => unsafe { attend_group_avx2(group, keys, kv, out) },
+        _ => attend_group_with::<false>(group, keys, kv, out),
+    }
+}
+
+/// What `attend_group` reads besides the keys and values.
+#[derive(Clone, Copy)]
+struct Group<'q> {
+    layout: HeadLayout,
+    g: usize,
+    q: &'q [f32],
+    sinks: &'q [f32],
+    scaling: f32,
+}
+
+/// `attend_group_with` compiled for AVX-512 (16 lanes a vector, fused multiply-adds).
+///
+/// # Safety
+/// The CPU has AVX-512 F/BW/VL, AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn attend_group_avx512<'a>(
+    group: Group,
+    keys: std::ops::RangeInclusive<usize>,
+    kv: &impl Fn(usize) -> (&'a [f32], &'a [f32]),
+    out: &mut [f32],
+) {
+    attend_group_with::<true>(group, keys, kv, out)
+}
+
+/// `attend_group_with` compiled for AVX2 with FMA.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_group_avx2<'a>(
+    group: Group,
+    keys: std::ops::RangeInclusive<usize>,
+    kv: &impl Fn(usize) -> (&'a [f32], &'a [f32]),
+    out: &mut [f32],
+) {
+    attend_group_with::<true>(group, keys, kv, out)
+}
+
+/// `a * b + c`, rounded once where `FUSED` (the SIMD builds, which have the instruction), twice
+/// in the portable build (where `mul_add` would be a slow library call).
+#[inline(always)]
+fn multiply_add<const FUSED: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FUSED { a.mul_add(b, c) } else { a * b + c }
+}
+
+/// `attend_group`'s body, written in lanes for the compiler to vectorize in each build.
+#[inline(always)]
+fn attend_group_with<'a, const FUSED: bool>(
+    group: Group,
+    keys: std::ops::RangeInclusive<usize>,
+    kv: &impl Fn(usize) -> (&'a [f32], &'a [f32]),
+    out: &mut [f32],
+) {
+    let Group {
+        layout,
+        g,
+        q,
+        sinks,
+        scaling,
+    } = group;
     let (d, per_group) = (layout.head_dim, layout.heads_per_kv_head());
-    let heads = g * per_group..(g + 1) * per_group;
-    let queries: Vec<&[f32]> = heads.clone().map(|h| &q[h * d..(h + 1) * d]).collect();
-    let dot_each = super::simd::float_dot_each(super::simd::kernels());
-    // scores[j * per_group + i]: key j with head i of the group.
+    let passes = per_group.div_ceil(HEAD_LANES);
+    let head = |i: usize| g * per_group + i;
+    // The group's queries transposed, one lane per head: query[p * d + c][l] is element c of
+    // head 8 p + l (zero in lanes past the group's heads).
+    let mut query = vec![[0f32; HEAD_LANES]; passes * d];
+    for i in 0..per_group {
+        let (p, l) = (i / HEAD_LANES, i % HEAD_LANES);
+        for (c, &x) in q[head(i) * d..(head(i) + 1) * d].iter().enumerate() {
+            query[p * d + c][l] = x;
+        }
+    }
+    // scores[j * passes + p][l]: key j with head 8 p + l.
     let count = keys.clone().count();
-    let mut scores = vec![0f32; count * per_group];
+    let mut scores = vec![[0f32; HEAD_LANES]; count * passes];
     let last = *keys.end();
-    for (j, row) in keys.clone().zip(scores.chunks_exact_mut(per_group)) {
+    for (j, row) in keys.clone().zip(scores.chunks_exact_mut(passes)) {
         if j + PREFETCH_KEYS <= last {
             super::simd::prefetch(&kv(j + PREFETCH_KEYS).0[g * d..(g + 1) * d]);
         }
-        let kh = &kv(j).0[g * d..(g + 1) * d];
-        dot_each(
-            crate::weights::FloatFormat::F32,
-            bytemuck::cast_slice(kh),
-            &queries,
-            row,
-        );
-        for s in row.iter_mut() {
-            *s *= scaling;
+        let key = &kv(j).0[g * d..(g + 1) * d];
+        for (scores, query) in row.iter_mut().zip(query.chunks_exact(d)) {
+            // Running sums of elements c mod 8: enough independent multiply-adds in flight to
+            // cover each one's latency.
+            let mut sums = [[0f32; HEAD_LANES]; 8];
+            let mut pairs = key.chunks_exact(8).zip(query.chunks_exact(8));
+            for (k8, q8) in &mut pairs {
+                for u in 0..8 {
+                    for l in 0..HEAD_LANES {
+                        sums[u][l] = multiply_add::<FUSED>(k8[u], q8[u][l], sums[u][l]);
+                    }
+                }
+            }
+            let tail = key.len() / 8 * 8;
+            for (&k, q) in key[tail..].iter().zip(&query[tail..]) {
+                for l in 0..HEAD_LANES {
+                    sums[0][l] = multiply_add::<FUSED>(k, q[l], sums[0][l]);
+                }
+            }
+            let [a, b, c, e, f, g, h, i] = sums;
+            let add = |x: [f32; HEAD_LANES], y: [f32; HEAD_LANES]| -> [f32; HEAD_LANES] {
+                std::array::from_fn(|l| x[l] + y[l])
+            };
+            let total = add(add(add(a, b), add(c, e)), add(add(f, g), add(h, i)));
+            *scores = std::array::from_fn(|l| total[l] * scaling);
         }
     }
-    // Per head: the softmax with its sink, in key order.
-    let mut denominators = Vec::with_capacity(per_group);
-    for (i, h) in heads.enumerate() {
-        let sink = sinks[h];
-        let max = scores[i..]
-            .iter()
-            .step_by(per_group)
-            .copied()
-            .fold(sink, f32::max);
-        let mut denominator = (sink - max).exp();
-        for s in scores[i..].iter_mut().step_by(per_group) {
-            let e = (*s - max).exp();
-            denominator += e;
-            *s = e;
+    // The softmax of each head with its sink, all heads in lanes: scores become exponentials.
+    let mut denominators = vec![[0f32; HEAD_LANES]; passes];
+    for (p, denominator) in denominators.iter_mut().enumerate() {
+        let sink: [f32; HEAD_LANES] = std::array::from_fn(|l| {
+            let i = p * HEAD_LANES + l;
+            if i < per_group { sinks[head(i)] } else { 0.0 }
+        });
+        let mut max = sink;
+        for row in scores.iter().skip(p).step_by(passes) {
+            // NaN never wins, as with f32::max.
+            max = std::array::from_fn(|l| if row[l] > max[l] { row[l] } else { max[l] });
         }
-        denominators.push(denominator);
+        let mut sum: [f32; HEAD_LANES] = std::array::from_fn(|l| exp(sink[l] - max[l]));
+        for row in scores.iter_mut().skip(p).step_by(passes) {
+            *row = std::array::from_fn(|l| exp(row[l] - max[l]));
+            sum = std::array::from_fn(|l| sum[l] + row[l]);
+        }
+        *denominator = sum;
     }
+    // Each head's exponential-weighted sum of the values, in key order, then one division.
     out.fill(0.0);
-    for (j, weights) in keys.zip(scores.chunks_exact(per_group)) {
+    for (j, row) in keys.zip(scores.chunks_exact(passes)) {
         if j + PREFETCH_KEYS <= last {
             super::simd::prefetch(&kv(j + PREFETCH_KEYS).1[g * d..(g + 1) * d]);
         }
-        let vh = &kv(j).1[g * d..(g + 1) * d];
-        for ((oh, e), denominator) in out.chunks_exact_mut(d).zip(weights).zip(&denominators) {
-            let p = e / denominator;
-            for (o, v) in oh.iter_mut().zip(vh) {
-                *o += p * v;
+        let value = &kv(j).1[g * d..(g + 1) * d];
+        for (i, o) in out.chunks_exact_mut(d).enumerate() {
+            let e = row[i / HEAD_LANES][i % HEAD_LANES];
+            for (o, &v) in o.iter_mut().zip(value) {
+                *o = multiply_add::<FUSED>(e, v, *o);
             }
         }
     }
+    for (i, o) in out.chunks_exact_mut(d).enumerate() {
+        let denominator = denominators[i / HEAD_LANES][i % HEAD_LANES];
+        for o in o {
+            *o /= denominator;
+        }
+    }
+}
+
+/// e^x within 1 ulp (0.98 at worst over the range, by test), branch-free so that loops of it
+/// vectorize (libm's `expf` is a call per value): x = n ln 2 + r with |r| <= ln 2 / 2, e^r by a degree-7 polynomial (Cephes' `expf`
+/// coefficients), 2^n put straight into the exponent bits. Below ln 2^-126 the result would be
+/// subnormal and is 0; from 88.38 (of 88.72 where f32 overflows) it is infinite; NaN stays NaN.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const LOG2_E: f32 = std::f32::consts::LOG2_E;
+    // ln 2 in two parts, the first with few enough bits that n times it is exact.
+    const LN2_HIGH: f32 = 0.693_359_4;
+    const LN2_LOW: f32 = -2.121_944_4e-4;
+    // Adding 1.5 * 2^23 rounds to an integer, which the low bits of the sum then hold.
+    const ROUND: f32 = 12_582_912.0;
+    const LOWEST: f32 = -87.336_55; // ln 2^-126
+    const HIGHEST: f32 = 88.5; // n = 128: 2^n is infinite
+    let clamped = if x > HIGHEST { HIGHEST } else { x };
+    let shifted = clamped * LOG2_E + ROUND;
+    let n = shifted - ROUND;
+    let r = (clamped - n * LN2_HIGH) - n * LN2_LOW;
+    let mut p = 1.987_569_1e-4;
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        0.166_666_65,
+        0.5,
+    ] {
+        p = p * r + c;
+    }
+    let e_r = (p * r) * r + r + 1.0;
+    let n_bits = shifted.to_bits().wrapping_sub(ROUND.to_bits());
+    let e = e_r * f32::from_bits(n_bits.wrapping_add(127) << 23);
+    let keep = if x < LOWEST { 0 } else { u32::MAX };
+    f32::from_bits(e.to_bits() & keep)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Head `h` of `attend` computed alone, the way the CPU tier did before heads were grouped:
-    /// the reference `attend_group` must match bit for bit.
+    /// Head `h` of `attend` computed alone and plainly (libm's `exp`, a division per weight):
+    /// the oracle `attend_group` is compared with.
     #[allow(clippy::too_many_arguments)]
     fn attend_head<'a>(
         layout: HeadLayout,
@@ -145,16 +306,11 @@ mod tests {
         let d = layout.head_dim;
         let g = h / layout.heads_per_kv_head();
         let qh = &q[h * d..(h + 1) * d];
-        let dot = crate::cpu::simd::float_dot(crate::cpu::simd::kernels());
         let scores: Vec<f32> = keys
             .clone()
             .map(|j| {
                 let kh = &kv(j).0[g * d..(g + 1) * d];
-                dot(
-                    crate::weights::FloatFormat::F32,
-                    bytemuck::cast_slice(kh),
-                    qh,
-                ) * scaling
+                kh.iter().zip(qh).map(|(k, q)| k * q).sum::<f32>() * scaling
             })
             .collect();
         let max = scores.iter().copied().fold(sink, f32::max);
@@ -175,6 +331,34 @@ mod tests {
                 *o += p * v;
             }
         }
+    }
+
+    #[test]
+    fn exp_is_within_one_ulp_of_the_exact_value() {
+        let ulps = |x: f32| {
+            let want = (x as f64).exp();
+            let got = exp(x) as f64;
+            // The spacing of f32 values at `want`.
+            let ulp = (want as f32).next_up() as f64 - want as f32 as f64;
+            (got - want).abs() / ulp
+        };
+        let mut worst = (0f64, 0f32);
+        let mut x = -87.3f32;
+        while x < 88.3 {
+            let u = ulps(x);
+            if u > worst.0 {
+                worst = (u, x);
+            }
+            x += 1.3e-4;
+        }
+        assert!(worst.0 <= 1.0, "{} ulp at x = {}", worst.0, worst.1);
+        assert_eq!(exp(0.0), 1.0);
+        assert_eq!(exp(-88.0), 0.0, "subnormal results are 0");
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp(-1e30), 0.0);
+        assert_eq!(exp(f32::INFINITY), f32::INFINITY);
+        assert_eq!(exp(89.0), f32::INFINITY);
+        assert!(exp(f32::NAN).is_nan());
     }
 
     #[test]
@@ -226,47 +410,73 @@ mod tests {
     }
 
     #[test]
-    fn a_group_of_heads_gives_each_head_its_own_values() {
-        // GPT-OSS's grouping (8 query heads per kv head), keys from one to past the prefetch
-        // distance, sinks that win and sinks that vanish.
-        let layout = HeadLayout {
-            num_heads: 16,
-            num_kv_heads: 2,
-            head_dim: 64,
-        };
-        let kvd = layout.num_kv_heads * layout.head_dim;
-        let value = |i: usize, seed: usize| ((i * seed + 11) % 97) as f32 * 0.02 - 0.97;
-        let keys: Vec<f32> = (0..40 * kvd).map(|i| value(i, 31)).collect();
-        let values: Vec<f32> = (0..40 * kvd).map(|i| value(i, 57)).collect();
-        let q: Vec<f32> = (0..layout.num_heads * layout.head_dim)
-            .map(|i| value(i, 13))
-            .collect();
-        let sinks: Vec<f32> = (0..layout.num_heads)
-            .map(|h| [0.3, 5.0, -1e4, -0.7][h % 4])
-            .collect();
-        let kv = |j: usize| {
-            (
-                &keys[j * kvd..(j + 1) * kvd],
-                &values[j * kvd..(j + 1) * kvd],
-            )
-        };
-        for range in [0..=0, 3..=9, 0..=39] {
-            let mut grouped = vec![0f32; layout.num_heads * layout.head_dim];
-            attend(layout, &q, range.clone(), kv, &sinks, 0.125, &mut grouped);
-            for (h, got) in grouped.chunks_exact(layout.head_dim).enumerate() {
-                let mut alone = vec![0f32; layout.head_dim];
-                attend_head(
-                    layout,
-                    h,
-                    &q,
-                    range.clone(),
-                    &kv,
-                    sinks[h],
-                    0.125,
-                    &mut alone,
-                );
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(got), bits(&alone), "head {h}, keys {range:?}");
+    #[allow(clippy::neg_cmp_op_on_partial_ord)] // a NaN error must count as a failure
+    fn every_kernel_build_of_a_group_matches_each_head_alone() {
+        use crate::cpu::simd::{CpuKernels, detect};
+        // GPT-OSS's grouping (8 query heads per kv head), one that fills part of the lanes and
+        // one that takes two passes; keys from one to past the prefetch distance; sinks that
+        // win and sinks that vanish; head sizes with and without a tail.
+        for (num_heads, num_kv_heads, head_dim) in [(16, 2, 64), (6, 2, 12), (24, 1, 20)] {
+            let layout = HeadLayout {
+                num_heads,
+                num_kv_heads,
+                head_dim,
+            };
+            let kvd = num_kv_heads * head_dim;
+            let value = |i: usize, seed: usize| ((i * seed + 11) % 97) as f32 * 0.02 - 0.97;
+            let keys: Vec<f32> = (0..40 * kvd).map(|i| value(i, 31)).collect();
+            let values: Vec<f32> = (0..40 * kvd).map(|i| value(i, 57)).collect();
+            let q: Vec<f32> = (0..num_heads * head_dim).map(|i| value(i, 13)).collect();
+            let sinks: Vec<f32> = (0..num_heads)
+                .map(|h| [0.3, 5.0, -1e4, -0.7][h % 4])
+                .collect();
+            let kv = |j: usize| {
+                (
+                    &keys[j * kvd..(j + 1) * kvd],
+                    &values[j * kvd..(j + 1) * kvd],
+                )
+            };
+            let levels = [CpuKernels::Scalar, CpuKernels::Avx2, CpuKernels::Avx512];
+            for kernels in levels.into_iter().filter(|&k| k <= detect()) {
+                for range in [0..=0, 3..=9, 0..=39] {
+                    let width = layout.heads_per_kv_head() * head_dim;
+                    let mut grouped = vec![0f32; num_heads * head_dim];
+                    for (g, out) in grouped.chunks_exact_mut(width).enumerate() {
+                        let group = Group {
+                            layout,
+                            g,
+                            q: &q,
+                            sinks: &sinks,
+                            scaling: 0.125,
+                        };
+                        attend_group_on(kernels, group, range.clone(), &kv, out);
+                    }
+                    let mut alone = vec![0f32; num_heads * head_dim];
+                    for (h, oh) in alone.chunks_exact_mut(head_dim).enumerate() {
+                        attend_head(layout, h, &q, range.clone(), &kv, sinks[h], 0.125, oh);
+                    }
+                    // |got - want| <= atol + rtol |want|, every value; report the worst.
+                    let (atol, rtol) = (2e-6, 1e-5);
+                    let errors: Vec<f32> = grouped
+                        .iter()
+                        .zip(&alone)
+                        .map(|(g, a)| (g - a).abs())
+                        .collect();
+                    let failures = errors
+                        .iter()
+                        .zip(&alone)
+                        .filter(|(e, a)| !(**e <= atol + rtol * a.abs()))
+                        .count();
+                    let worst = (0..errors.len())
+                        .max_by(|&a, &b| errors[a].total_cmp(&errors[b]))
+                        .unwrap();
+                    assert_eq!(
+                        failures, 0,
+                        "{kernels:?}, {layout:?}, keys {range:?}: max |error| {} at {worst} (got {}, \
+                         want {})",
+                        errors[worst], grouped[worst], alone[worst]
+                    );
+                }
             }
         }
     }

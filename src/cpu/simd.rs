@@ -32,6 +32,7 @@ impl CpuKernels {
 /// Asks for the cache lines of `values` to be brought into the L1 cache (where the CPU has a
 /// prefetch instruction): for reads whose addresses a loop knows ahead but the hardware
 /// prefetchers do not follow, such as a KV cache's rows of one head.
+#[inline]
 pub fn prefetch(values: &[f32]) {
     #[cfg(target_arch = "x86_64")]
     for line in values.chunks(16) {
