@@ -97,6 +97,10 @@ fn attend_group_on<'a>(
         super::simd::CpuKernels::Avx512 => unsafe { attend_group_avx512(group, keys, kv, out) },
         #[cfg(target_arch = "x86_64")]
         super::simd::CpuKernels::Avx2 => unsafe { attend_group_avx2(group, keys, kv, out) },
+        // NEON and fused multiply-adds are part of every aarch64 CPU: the portable build is
+        // already vectorized.
+        #[cfg(target_arch = "aarch64")]
+        super::simd::CpuKernels::Neon => attend_group_with::<true>(group, keys, kv, out),
         _ => attend_group_with::<false>(group, keys, kv, out),
     }
 }
@@ -436,8 +440,19 @@ mod tests {
                     &values[j * kvd..(j + 1) * kvd],
                 )
             };
-            let levels = [CpuKernels::Scalar, CpuKernels::Avx2, CpuKernels::Avx512];
-            for kernels in levels.into_iter().filter(|&k| k <= detect()) {
+            let levels = [
+                CpuKernels::Scalar,
+                CpuKernels::Avx2,
+                CpuKernels::Avx512,
+                CpuKernels::Neon,
+            ];
+            // The portable build and each SIMD build this CPU has.
+            let has = |k: CpuKernels| {
+                k == CpuKernels::Scalar
+                    || k == detect()
+                    || (k < detect() && detect() != CpuKernels::Neon)
+            };
+            for kernels in levels.into_iter().filter(|&k| has(k)) {
                 for range in [0..=0, 3..=9, 0..=39] {
                     let width = layout.heads_per_kv_head() * head_dim;
                     let mut grouped = vec![0f32; num_heads * head_dim];

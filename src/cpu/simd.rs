@@ -1,6 +1,7 @@
-//! SIMD versions of the hot dot products, chosen at run time: AVX-512 or AVX2 + FMA on x86_64.
-//! The scalar kernels in `matmul.rs` stay the reference (tests compare every SIMD path with them)
-//! and the fallback elsewhere. `PICCHIO_CPU_KERNELS=scalar|avx2|avx512` caps the choice.
+//! SIMD versions of the hot dot products, chosen at run time: AVX-512 or AVX2 + FMA on x86_64,
+//! NEON on aarch64. The scalar kernels in `matmul.rs` stay the reference (tests compare every
+//! SIMD path with them) and the fallback elsewhere. `PICCHIO_CPU_KERNELS=scalar|avx2|avx512|neon`
+//! caps the choice.
 //!
 //! Each function sums in its own fixed order, the same for every row and token, so batching
 //! still gives bit-identical results; against the scalar kernels they differ by rounding only.
@@ -17,6 +18,9 @@ pub enum CpuKernels {
     Avx2,
     /// x86_64 AVX-512 (F, BW, VL) on top of AVX2.
     Avx512,
+    /// aarch64 NEON (every aarch64 CPU has it). Ordered last so that capping an x86 level on
+    /// aarch64 (or NEON on x86) lands on what the CPU has, or below.
+    Neon,
 }
 
 impl CpuKernels {
@@ -25,6 +29,7 @@ impl CpuKernels {
             CpuKernels::Scalar => "scalar",
             CpuKernels::Avx2 => "avx2",
             CpuKernels::Avx512 => "avx512",
+            CpuKernels::Neon => "neon",
         }
     }
 }
@@ -59,11 +64,22 @@ pub fn kernels() -> CpuKernels {
             Ok("scalar") => CpuKernels::Scalar,
             Ok("avx2") => CpuKernels::Avx2,
             Ok("avx512") => CpuKernels::Avx512,
+            Ok("neon") => CpuKernels::Neon,
             Ok(other) => {
-                log::warn!("PICCHIO_CPU_KERNELS={other:?} is not scalar, avx2 or avx512: ignored");
+                log::warn!(
+                    "PICCHIO_CPU_KERNELS={other:?} is not scalar, avx2, avx512 or neon: ignored"
+                );
                 detected
             }
         };
+        if (cap == CpuKernels::Neon) != (detected == CpuKernels::Neon) && cap != CpuKernels::Scalar
+        {
+            log::warn!(
+                "PICCHIO_CPU_KERNELS={}: not this CPU's kind: ignored",
+                cap.name()
+            );
+            return detected;
+        }
         cap.min(detected)
     })
 }
@@ -81,6 +97,10 @@ pub fn detect() -> CpuKernels {
                 }
                 return CpuKernels::Avx2;
             }
+        }
+        #[cfg(target_arch = "aarch64")]
+        if std::arch::is_aarch64_feature_detected!("neon") {
+            return CpuKernels::Neon;
         }
         CpuKernels::Scalar
     })
@@ -107,6 +127,8 @@ pub fn float_dot(kernels: CpuKernels) -> FloatDot {
             // Safety: handed out only where `detect()` found AVX-512 F/BW/VL and AVX2.
             unsafe { x86_512::dot_floats(format, row, x) }
         },
+        #[cfg(target_arch = "aarch64")]
+        CpuKernels::Neon => neon::dot_floats,
         _ => crate::cpu::matmul::dot_dense_scalar,
     }
 }
@@ -126,6 +148,10 @@ pub fn float_tile(kernels: CpuKernels) -> FloatTile {
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => |format, rows, xs, out| {
             float_tile_with(float_dot_each(CpuKernels::Avx2), format, rows, xs, out)
+        },
+        #[cfg(target_arch = "aarch64")]
+        CpuKernels::Neon => |format, rows, xs, out| {
+            float_tile_with(float_dot_each(CpuKernels::Neon), format, rows, xs, out)
         },
         _ => |format, rows, xs, out| {
             float_tile_with(float_dot_each(CpuKernels::Scalar), format, rows, xs, out)
@@ -159,6 +185,12 @@ pub fn float_dot_each(kernels: CpuKernels) -> FloatDotEach {
             for (o, x) in out.iter_mut().zip(xs) {
                 // Safety: handed out only where `detect()` found AVX2, FMA and F16C.
                 *o = unsafe { x86::dot_floats(format, row, x) };
+            }
+        },
+        #[cfg(target_arch = "aarch64")]
+        CpuKernels::Neon => |format, row, xs, out| {
+            for (o, x) in out.iter_mut().zip(xs) {
+                *o = neon::dot_floats(format, row, x);
             }
         },
         _ => |format, row, xs, out| {
@@ -293,6 +325,14 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
             |rows, xs, out| tile_with(mxfp4_dot(CpuKernels::Avx2).dot_each, rows, xs, out),
             |runs, x, outs| rows_with(mxfp4_dot(CpuKernels::Avx2).dot, runs, x, outs),
         ),
+        #[cfg(target_arch = "aarch64")]
+        CpuKernels::Neon => PackedDot::one_at_a_time(
+            InputOrder::Natural,
+            neon::dot_mxfp4,
+            |blocks, scales, xs, out| each_with(neon::dot_mxfp4, blocks, scales, xs, out),
+            |rows, xs, out| tile_with(mxfp4_dot(CpuKernels::Neon).dot_each, rows, xs, out),
+            |runs, x, outs| rows_with(neon::dot_mxfp4, runs, x, outs),
+        ),
         _ => PackedDot::one_at_a_time(
             InputOrder::Natural,
             crate::cpu::matmul::dot_mxfp4_scalar,
@@ -329,18 +369,10 @@ fn mxfp4_dot_per_run() -> PackedDot {
 }
 
 /// Whether this CPU has AVX-512 VBMI (byte permutes), detected once.
+#[cfg(target_arch = "x86_64")]
 fn has_vbmi() -> bool {
     static VBMI: OnceLock<bool> = OnceLock::new();
-    *VBMI.get_or_init(|| {
-        #[cfg(target_arch = "x86_64")]
-        {
-            std::arch::is_x86_feature_detected!("avx512vbmi")
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        {
-            false
-        }
-    })
+    *VBMI.get_or_init(|| std::arch::is_x86_feature_detected!("avx512vbmi"))
 }
 
 /// The group-scaled INT4 row kernel of `kernels` (the scalar reference where the CPU lacks them).
@@ -369,6 +401,14 @@ pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
             },
             |rows, xs, out| tile_with(int4_dot(CpuKernels::Avx2).dot_each, rows, xs, out),
             |runs, x, outs| rows_with(int4_dot(CpuKernels::Avx2).dot, runs, x, outs),
+        ),
+        #[cfg(target_arch = "aarch64")]
+        CpuKernels::Neon => PackedDot::one_at_a_time(
+            InputOrder::Natural,
+            neon::dot_int4,
+            |qweight, scales, xs, out| each_with(neon::dot_int4, qweight, scales, xs, out),
+            |rows, xs, out| tile_with(int4_dot(CpuKernels::Neon).dot_each, rows, xs, out),
+            |runs, x, outs| rows_with(neon::dot_int4, runs, x, outs),
         ),
         _ => PackedDot::one_at_a_time(
             InputOrder::Natural,
@@ -407,6 +447,12 @@ pub fn q8_dot_each(kernels: CpuKernels) -> Q8DotEach {
                 *o = unsafe { x86::dot_q8(values, scales, x) };
             }
         },
+        #[cfg(target_arch = "aarch64")]
+        CpuKernels::Neon => |values, scales, xs, out| {
+            for (o, x) in out.iter_mut().zip(xs) {
+                *o = neon::dot_q8(values, scales, x);
+            }
+        },
         _ => |values, scales, xs, out| {
             for (o, x) in out.iter_mut().zip(xs) {
                 *o = crate::cpu::q8::dot_q8_scalar(values, scales, x);
@@ -426,12 +472,15 @@ pub fn q8_tile(kernels: CpuKernels) -> PackedTile {
         },
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => |rows, xs, out| tile_with(q8_dot_each(CpuKernels::Avx2), rows, xs, out),
+        #[cfg(target_arch = "aarch64")]
+        CpuKernels::Neon => |rows, xs, out| tile_with(q8_dot_each(CpuKernels::Neon), rows, xs, out),
         _ => |rows, xs, out| tile_with(q8_dot_each(CpuKernels::Scalar), rows, xs, out),
     }
 }
 
 /// `0..len` in consecutive ranges of `size` (the last may be shorter): the blocks a cache-blocked
 /// tile works through.
+#[cfg(target_arch = "x86_64")]
 fn blocks(len: usize, size: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
     (0..len)
         .step_by(size)
@@ -561,6 +610,9 @@ fn arrange_packed_input(x: &[f32], cols: usize, out: &mut AlignedFloats) {
         }
     }
 }
+
+#[cfg(target_arch = "aarch64")]
+mod neon;
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -1709,6 +1761,9 @@ mod tests {
 
     /// Every SIMD kernel set this CPU has (the scalar reference excluded).
     fn simd_sets() -> Vec<CpuKernels> {
+        if detect() == CpuKernels::Neon {
+            return vec![CpuKernels::Neon];
+        }
         [CpuKernels::Avx2, CpuKernels::Avx512]
             .into_iter()
             .filter(|&k| k <= detect())
@@ -1953,6 +2008,7 @@ mod tests {
 
     /// Every AVX-512 MXFP4 kernel this CPU runs: the folded one (VBMI) and the per-run one.
     fn avx512_mxfp4_kernels() -> Vec<(&'static str, PackedDot)> {
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))] // none elsewhere
         let mut kernels = Vec::new();
         #[cfg(target_arch = "x86_64")]
         if detect() >= CpuKernels::Avx512 {
