@@ -1,16 +1,26 @@
 //! RMSNorm as GPT-OSS uses it: `w * (x / sqrt(mean(x^2) + eps))`, weight applied directly.
 
-/// Normalizes each `w.len()`-long row of `x` into `out`.
+use rayon::prelude::*;
+
+/// Normalizes each `w.len()`-long row of `x` into `out`, rows in parallel (a block's rows are
+/// independent; one at a time they took 1% of a 512-token prefill, the other thread idle).
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let n = w.len();
     assert_eq!(x.len(), out.len());
-    for (xs, ys) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+    let norm_row = |(xs, ys): (&[f32], &mut [f32])| {
         // Mean of squares accumulated in f64: within half an ulp of the exact f32 mean.
         let mean = (xs.iter().map(|v| (*v as f64) * (*v as f64)).sum::<f64>() / n as f64) as f32;
         let inv = 1.0 / (mean + eps).sqrt();
         for ((y, v), wi) in ys.iter_mut().zip(xs).zip(w) {
             *y = wi * (v * inv);
         }
+    };
+    if x.len() == n {
+        norm_row((x, out)); // Decode: one row, no task to hand out.
+    } else {
+        x.par_chunks_exact(n)
+            .zip(out.par_chunks_exact_mut(n))
+            .for_each(norm_row);
     }
 }
 
