@@ -260,7 +260,7 @@ fn attend_group_with<'a, const FUSED: bool>(
 /// coefficients), 2^n put straight into the exponent bits. Below ln 2^-126 the result would be
 /// subnormal and is 0; from 88.38 (of 88.72 where f32 overflows) it is infinite; NaN stays NaN.
 #[inline(always)]
-pub fn exp(x: f32) -> f32 {
+fn exp(x: f32) -> f32 {
     const LOG2_E: f32 = std::f32::consts::LOG2_E;
     // ln 2 in two parts, the first with few enough bits that n times it is exact.
     const LN2_HIGH: f32 = 0.693_359_4;

@@ -74,6 +74,27 @@ pub fn dot_floats(format: FloatFormat, row: &[u8], x: &[f32]) -> f32 {
     }
 }
 
+/// Adds 16 signed bytes, widened to f32, times the 16 inputs at `xs` into `sums`: each four
+/// values in turn, alternating between the two sums.
+///
+/// # Safety
+/// `xs` points to 16 readable f32 values.
+#[inline(always)]
+unsafe fn add_bytes_times_inputs(values: int8x16_t, xs: *const f32, sums: &mut [float32x4_t; 2]) {
+    // Safety: the caller's guarantee covers the four 4-value loads; the rest are register
+    // operations, and NEON is part of the aarch64 target.
+    unsafe {
+        let wide = [vmovl_s8(vget_low_s8(values)), vmovl_high_s8(values)];
+        for (q, wide) in wide.into_iter().enumerate() {
+            let quads = [vmovl_s16(vget_low_s16(wide)), vmovl_high_s16(wide)];
+            for (r, quad) in quads.into_iter().enumerate() {
+                let w = vcvtq_f32_s32(quad);
+                sums[r] = vfmaq_f32(sums[r], w, vld1q_f32(xs.add(8 * q + 4 * r)));
+            }
+        }
+    }
+}
+
 /// `sum over groups g of scale(g) * sum_j lut[nibble j] * x_j` for a packed 4-bit row with `x`
 /// in natural order (the low nibble of byte j is value 2j, the high nibble value 2j + 1): the
 /// nibbles index a 16-byte table of small integers, widened to f32.
@@ -96,15 +117,7 @@ fn dot_nibbles(lut: int8x16_t, blocks: &[u8], x: &[f32], scale: impl Fn(usize) -
             let xs = x.as_ptr().add(32 * g);
             let mut sums = [vdupq_n_f32(0.0); 2];
             for (h, values) in halves.into_iter().enumerate() {
-                let wide = [vmovl_s8(vget_low_s8(values)), vmovl_high_s8(values)];
-                for (q, wide) in wide.into_iter().enumerate() {
-                    let quads = [vmovl_s16(vget_low_s16(wide)), vmovl_high_s16(wide)];
-                    for (r, quad) in quads.into_iter().enumerate() {
-                        let at = 16 * h + 8 * q + 4 * r;
-                        let w = vcvtq_f32_s32(quad);
-                        sums[r] = vfmaq_f32(sums[r], w, vld1q_f32(xs.add(at)));
-                    }
-                }
+                add_bytes_times_inputs(values, xs.add(16 * h), &mut sums);
             }
             total = vfmaq_n_f32(total, vaddq_f32(sums[0], sums[1]), scale(g));
         }
@@ -149,15 +162,7 @@ pub fn dot_q8(values: &[u8], scales: &[u8], x: &[f32]) -> f32 {
             let mut sums = [vdupq_n_f32(0.0); 2];
             for h in 0..2 {
                 let bytes = vld1q_s8(values.as_ptr().add(32 * g + 16 * h).cast());
-                let wide = [vmovl_s8(vget_low_s8(bytes)), vmovl_high_s8(bytes)];
-                for (q, wide) in wide.into_iter().enumerate() {
-                    let quads = [vmovl_s16(vget_low_s16(wide)), vmovl_high_s16(wide)];
-                    for (r, quad) in quads.into_iter().enumerate() {
-                        let at = 16 * h + 8 * q + 4 * r;
-                        let w = vcvtq_f32_s32(quad);
-                        sums[r] = vfmaq_f32(sums[r], w, vld1q_f32(xs.add(at)));
-                    }
-                }
+                add_bytes_times_inputs(bytes, xs.add(16 * h), &mut sums);
             }
             let scale = f16_to_f32(scales[2 * g], scales[2 * g + 1]);
             total = vfmaq_n_f32(total, vaddq_f32(sums[0], sums[1]), scale);
