@@ -147,7 +147,8 @@ pub fn float_tile(kernels: CpuKernels) -> FloatTile {
         },
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => |format, rows, xs, out| {
-            float_tile_with(float_dot_each(CpuKernels::Avx2), format, rows, xs, out)
+            // Safety: handed out only where `detect()` found AVX2, FMA and F16C.
+            unsafe { x86::floats_tile(format, rows, xs, out) }
         },
         #[cfg(target_arch = "aarch64")]
         CpuKernels::Neon => |format, rows, xs, out| {
@@ -182,10 +183,8 @@ pub fn float_dot_each(kernels: CpuKernels) -> FloatDotEach {
         },
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => |format, row, xs, out| {
-            for (o, x) in out.iter_mut().zip(xs) {
-                // Safety: handed out only where `detect()` found AVX2, FMA and F16C.
-                *o = unsafe { x86::dot_floats(format, row, x) };
-            }
+            // Safety: handed out only where `detect()` found AVX2, FMA and F16C.
+            unsafe { x86::dot_floats_each(format, row, xs, out) }
         },
         #[cfg(target_arch = "aarch64")]
         CpuKernels::Neon => |format, row, xs, out| {
@@ -315,16 +314,7 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx512 => mxfp4_dot_per_run(),
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx2 => PackedDot::one_at_a_time(
-            InputOrder::Natural,
-            // Safety: handed out only where `detect()` found AVX2, FMA and F16C.
-            |blocks, scales, x| unsafe { x86::dot_mxfp4(blocks, scales, x) },
-            |blocks, scales, xs, out| {
-                each_with(mxfp4_dot(CpuKernels::Avx2).dot, blocks, scales, xs, out)
-            },
-            |rows, xs, out| tile_with(mxfp4_dot(CpuKernels::Avx2).dot_each, rows, xs, out),
-            |runs, x, outs| rows_with(mxfp4_dot(CpuKernels::Avx2).dot, runs, x, outs),
-        ),
+        CpuKernels::Avx2 => avx2_packed_dot::<AVX2_MXFP4>(),
         #[cfg(target_arch = "aarch64")]
         CpuKernels::Neon => PackedDot::one_at_a_time(
             InputOrder::Natural,
@@ -351,10 +341,41 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
     }
 }
 
+/// The packed formats as const parameters of `avx2_packed_dot` (kernels are plain function
+/// pointers, which cannot capture a format).
+#[cfg(target_arch = "x86_64")]
+const AVX2_MXFP4: u8 = 0;
+#[cfg(target_arch = "x86_64")]
+const AVX2_INT4: u8 = 1;
+
+/// The AVX2 kernels of a packed format: groups decoded once for up to four inputs.
+#[cfg(target_arch = "x86_64")]
+fn avx2_packed_dot<const FORMAT: u8>() -> PackedDot {
+    const fn format<const FORMAT: u8>() -> x86::PackedFormat {
+        match FORMAT {
+            AVX2_MXFP4 => x86::PackedFormat::Mxfp4,
+            _ => x86::PackedFormat::Int4,
+        }
+    }
+    assert!(detect() >= CpuKernels::Avx2);
+    PackedDot {
+        input_order: InputOrder::GroupHalves,
+        // Safety (all): AVX2, FMA and F16C were detected (asserted above).
+        dot: |packed, scales, x| unsafe {
+            x86::dot_packed_row(format::<FORMAT>(), packed, scales, x)
+        },
+        dot_each: |packed, scales, xs, out| unsafe {
+            x86::dot_packed_each(format::<FORMAT>(), packed, scales, xs, out)
+        },
+        tile: |rows, xs, out| unsafe { x86::packed_rows_tile(format::<FORMAT>(), rows, xs, out) },
+        rows: |runs, x, outs| rows_with(avx2_packed_dot::<FORMAT>().dot, runs, x, outs),
+    }
+}
+
 /// The AVX-512 MXFP4 kernel that scales each run's sums (no VBMI needed).
 #[cfg(target_arch = "x86_64")]
 fn mxfp4_dot_per_run() -> PackedDot {
-    const MXFP4: x86_512::PackedFormat = x86_512::PackedFormat::Mxfp4;
+    const MXFP4: x86::PackedFormat = x86::PackedFormat::Mxfp4;
     assert!(detect() >= CpuKernels::Avx512);
     PackedDot {
         input_order: InputOrder::NibbleRuns,
@@ -378,7 +399,7 @@ fn has_vbmi() -> bool {
 /// The group-scaled INT4 row kernel of `kernels` (the scalar reference where the CPU lacks them).
 pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
     #[cfg(target_arch = "x86_64")]
-    const INT4: x86_512::PackedFormat = x86_512::PackedFormat::Int4;
+    const INT4: x86::PackedFormat = x86::PackedFormat::Int4;
     match kernels.min(detect()) {
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx512 => PackedDot {
@@ -392,16 +413,7 @@ pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
             rows: |runs, x, outs| rows_with(int4_dot(CpuKernels::Avx512).dot, runs, x, outs),
         },
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx2 => PackedDot::one_at_a_time(
-            InputOrder::Natural,
-            // Safety: handed out only where `detect()` found AVX2, FMA and F16C.
-            |qweight, scales, x| unsafe { x86::dot_int4(qweight, scales, x) },
-            |qweight, scales, xs, out| {
-                each_with(int4_dot(CpuKernels::Avx2).dot, qweight, scales, xs, out)
-            },
-            |rows, xs, out| tile_with(int4_dot(CpuKernels::Avx2).dot_each, rows, xs, out),
-            |runs, x, outs| rows_with(int4_dot(CpuKernels::Avx2).dot, runs, x, outs),
-        ),
+        CpuKernels::Avx2 => avx2_packed_dot::<AVX2_INT4>(),
         #[cfg(target_arch = "aarch64")]
         CpuKernels::Neon => PackedDot::one_at_a_time(
             InputOrder::Natural,
@@ -442,10 +454,8 @@ pub fn q8_dot_each(kernels: CpuKernels) -> Q8DotEach {
         },
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => |values, scales, xs, out| {
-            for (o, x) in out.iter_mut().zip(xs) {
-                // Safety: handed out only where `detect()` found AVX2, FMA and F16C.
-                *o = unsafe { x86::dot_q8(values, scales, x) };
-            }
+            // Safety: handed out only where `detect()` found AVX2, FMA and F16C.
+            unsafe { x86::dot_q8_each(values, scales, xs, out) }
         },
         #[cfg(target_arch = "aarch64")]
         CpuKernels::Neon => |values, scales, xs, out| {
@@ -471,7 +481,10 @@ pub fn q8_tile(kernels: CpuKernels) -> PackedTile {
             unsafe { x86_512::q8_tile(rows, xs, out) }
         },
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx2 => |rows, xs, out| tile_with(q8_dot_each(CpuKernels::Avx2), rows, xs, out),
+        CpuKernels::Avx2 => |rows, xs, out| {
+            // Safety: handed out only where `detect()` found AVX2, FMA and F16C.
+            unsafe { x86::q8_tile(rows, xs, out) }
+        },
         #[cfg(target_arch = "aarch64")]
         CpuKernels::Neon => |rows, xs, out| tile_with(q8_dot_each(CpuKernels::Neon), rows, xs, out),
         _ => |rows, xs, out| tile_with(q8_dot_each(CpuKernels::Scalar), rows, xs, out),
@@ -611,6 +624,89 @@ fn arrange_packed_input(x: &[f32], cols: usize, out: &mut AlignedFloats) {
     }
 }
 
+// The batching macros the kernel modules share (textually scoped: defined before them).
+
+/// Runs `$call` over `$xs` in blocks of `$full` inputs, then the rest together (one of the
+/// sizes `$n`), `$block` being an array of them and `$t` the index of its first.
+#[cfg(target_arch = "x86_64")]
+macro_rules! for_blocks_of {
+    ($full:literal, [$($n:literal),*], $xs:expr, |$block:ident, $t:ident| $call:expr) => {{
+        let xs: &[&[f32]] = $xs;
+        let mut $t = 0;
+        while $t < xs.len() {
+            match xs.len() - $t {
+                $(
+                    $n => {
+                        let $block: [&[f32]; $n] = xs[$t..$t + $n].try_into().unwrap();
+                        $call;
+                        $t += $n;
+                    }
+                )*
+                _ => {
+                    let $block: [&[f32]; $full] = xs[$t..$t + $full].try_into().unwrap();
+                    $call;
+                    $t += $full;
+                }
+            }
+        }
+    }};
+}
+
+/// `for_blocks_of!` three inputs at a time.
+#[cfg(target_arch = "x86_64")]
+macro_rules! for_blocks_of_three {
+    ($xs:expr, |$block:ident, $t:ident| $call:expr) => {
+        for_blocks_of!(3, [1, 2], $xs, |$block, $t| $call)
+    };
+}
+
+/// `for_blocks_of!` four inputs at a time.
+#[cfg(target_arch = "x86_64")]
+macro_rules! for_blocks_of_four {
+    ($xs:expr, |$block:ident, $t:ident| $call:expr) => {
+        for_blocks_of!(4, [1, 2, 3], $xs, |$block, $t| $call)
+    };
+}
+
+/// `for_blocks_of!` eight inputs at a time.
+#[cfg(target_arch = "x86_64")]
+macro_rules! for_blocks_of_eight {
+    ($xs:expr, |$block:ident, $t:ident| $call:expr) => {
+        for_blocks_of!(8, [1, 2, 3, 4, 5, 6, 7], $xs, |$block, $t| $call)
+    };
+}
+
+/// Runs `$call` (an expression of `$block`, an array of inputs) over `$xs` through
+/// `$for_blocks` (one of the `for_blocks_of_*` macros), writing each result into
+/// `$out`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! in_blocks {
+    ($for_blocks:ident, $xs:expr, $out:expr, |$block:ident| $call:expr) => {{
+        let (xs, out): (&[&[f32]], &mut [f32]) = ($xs, $out);
+        assert_eq!(xs.len(), out.len());
+        $for_blocks!(xs, |$block, t| {
+            let sums = $call;
+            out[t..t + sums.len()].copy_from_slice(&sums);
+        });
+    }};
+}
+
+/// `in_blocks!` three inputs at a time.
+#[cfg(target_arch = "x86_64")]
+macro_rules! in_blocks_of_three {
+    ($xs:expr, $out:expr, |$block:ident| $call:expr) => {
+        in_blocks!(for_blocks_of_three, $xs, $out, |$block| $call)
+    };
+}
+
+/// `in_blocks!` four inputs at a time.
+#[cfg(target_arch = "x86_64")]
+macro_rules! in_blocks_of_four {
+    ($xs:expr, $out:expr, |$block:ident| $call:expr) => {
+        in_blocks!(for_blocks_of_four, $xs, $out, |$block| $call)
+    };
+}
+
 #[cfg(target_arch = "aarch64")]
 mod neon;
 
@@ -618,6 +714,7 @@ mod neon;
 mod x86 {
     use std::arch::x86_64::*;
 
+    use super::TILE_ROWS;
     use crate::cpu::formats::e8m0_scale;
     use crate::cpu::matmul::decode_at;
     use crate::weights::FloatFormat;
@@ -655,6 +752,16 @@ mod x86 {
         _mm_cvtss_f32(s)
     }
 
+    /// Each vector's lanes added up.
+    #[target_feature(enable = "avx2,fma")]
+    fn sums8<const T: usize>(vectors: &[__m256; T]) -> [f32; T] {
+        let mut sums = [0f32; T];
+        for (sum, &v) in sums.iter_mut().zip(vectors) {
+            *sum = sum8(v);
+        }
+        sums
+    }
+
     /// Eight values of `format` at `p`, as f32.
     ///
     /// # Safety
@@ -674,155 +781,535 @@ mod x86 {
         }
     }
 
+    /// The float formats as const parameters, so that each loop has its load inlined.
+    pub(super) const BF16: u8 = 0;
+    pub(super) const F16: u8 = 1;
+    pub(super) const F32: u8 = 2;
+
+    /// The float format `FORMAT` names.
+    pub(super) const fn format_of<const FORMAT: u8>() -> FloatFormat {
+        match FORMAT {
+            BF16 => FloatFormat::Bf16,
+            F16 => FloatFormat::F16,
+            _ => FloatFormat::F32,
+        }
+    }
+
+    /// Four running sums per input, 8 lanes each: value `32 s + 8 k + j` of a float row goes
+    /// into lane j of sum k.
+    type FloatSums<const T: usize> = [[__m256; 4]; T];
+
+    /// Adds the 32-value steps `steps` of `row` (in `FORMAT`) times `T` inputs to `sums`, each
+    /// vector of the row decoded once for all inputs.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn float_steps<const T: usize, const FORMAT: u8>(
+        row: &[u8],
+        xs: [&[f32]; T],
+        steps: std::ops::Range<usize>,
+        sums: &mut FloatSums<T>,
+    ) {
+        let size = format_of::<FORMAT>().size();
+        let n = row.len() / size;
+        assert!(32 * steps.end <= n && xs.iter().all(|x| x.len() == n));
+        let mut acc = *sums;
+        for s in steps {
+            let i = 32 * s;
+            prefetch_ahead(row.as_ptr().wrapping_add(size * i), 32 * size);
+            for k in 0..4 {
+                let at = i + 8 * k;
+                // Safety: at + 8 <= n (asserted above), so 8 values of the row and of each input
+                // are in bounds.
+                let w = unsafe { load8(format_of::<FORMAT>(), row.as_ptr().add(size * at)) };
+                for (a, x) in acc.iter_mut().zip(&xs) {
+                    // Safety: as above.
+                    let x = unsafe { _mm256_loadu_ps(x.as_ptr().add(at)) };
+                    a[k] = _mm256_fmadd_ps(w, x, a[k]);
+                }
+            }
+        }
+        *sums = acc;
+    }
+
+    /// `float_steps` over steps `steps` of `row`, in whatever format it is.
+    ///
+    /// # Safety
+    /// As `float_steps`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn float_steps_of<const T: usize>(
+        format: FloatFormat,
+        row: &[u8],
+        xs: [&[f32]; T],
+        steps: std::ops::Range<usize>,
+        sums: &mut FloatSums<T>,
+    ) {
+        // Safety: the caller's guarantees.
+        unsafe {
+            match format {
+                FloatFormat::Bf16 => float_steps::<T, BF16>(row, xs, steps, sums),
+                FloatFormat::F16 => float_steps::<T, F16>(row, xs, steps, sums),
+                FloatFormat::F32 => float_steps::<T, F32>(row, xs, steps, sums),
+            }
+        }
+    }
+
+    /// Each input's dot product with `row` from its sums over the whole 32-value steps: the
+    /// 8-value steps after them into sum 0, the four sums added pairwise, the last values one by
+    /// one.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `row` holds as many values as each input.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn float_finish<const T: usize>(
+        format: FloatFormat,
+        row: &[u8],
+        xs: [&[f32]; T],
+        sums: FloatSums<T>,
+    ) -> [f32; T] {
+        let size = format.size();
+        let n = row.len() / size;
+        assert!(xs.iter().all(|x| x.len() == n));
+        let mut dots = [0f32; T];
+        for ((dot, mut acc), x) in dots.iter_mut().zip(sums).zip(&xs) {
+            let mut i = 32 * (n / 32);
+            while i + 8 <= n {
+                // Safety: i + 8 <= n.
+                let (w, xv) = unsafe {
+                    (
+                        load8(format, row.as_ptr().add(size * i)),
+                        _mm256_loadu_ps(x.as_ptr().add(i)),
+                    )
+                };
+                acc[0] = _mm256_fmadd_ps(w, xv, acc[0]);
+                i += 8;
+            }
+            let total =
+                _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            *dot = sum8(total);
+            for (k, xk) in x.iter().enumerate().skip(i) {
+                *dot += decode_at(format, row, k) * xk;
+            }
+        }
+        dots
+    }
+
+    /// `row` times each of `T` inputs.
+    ///
+    /// # Safety
+    /// As `float_finish`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn dot_floats_tokens<const T: usize>(
+        format: FloatFormat,
+        row: &[u8],
+        xs: [&[f32]; T],
+    ) -> [f32; T] {
+        let mut sums = [[_mm256_setzero_ps(); 4]; T];
+        let steps = row.len() / format.size() / 32;
+        // Safety: the caller's guarantees.
+        unsafe {
+            float_steps_of(format, row, xs, 0..steps, &mut sums);
+            float_finish(format, row, xs, sums)
+        }
+    }
+
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; `row` holds `x.len()` values of `format`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_floats(format: FloatFormat, row: &[u8], x: &[f32]) -> f32 {
-        let size = format.size();
-        assert_eq!(row.len(), size * x.len());
-        let n = x.len();
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut i = 0;
-        while i + 32 <= n {
-            prefetch_ahead(row.as_ptr().wrapping_add(size * i), 32 * size);
-            for (k, a) in acc.iter_mut().enumerate() {
-                let at = i + 8 * k;
-                // Safety: at + 8 <= n, so 8 values of `row` and of `x` are in bounds.
-                let (w, xv) = unsafe {
-                    (
-                        load8(format, row.as_ptr().add(size * at)),
-                        _mm256_loadu_ps(x.as_ptr().add(at)),
-                    )
-                };
-                *a = _mm256_fmadd_ps(w, xv, *a);
+        assert_eq!(row.len(), format.size() * x.len());
+        // Safety: the caller's guarantees.
+        unsafe { dot_floats_tokens(format, row, [x])[0] }
+    }
+
+    /// `out[t] = row . xs[t]`, three inputs at a time (their 12 sums and a decoded vector fill
+    /// the 16 registers).
+    ///
+    /// # Safety
+    /// As `dot_floats`, for every input.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_floats_each(format: FloatFormat, row: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+        assert!(xs.iter().all(|x| row.len() == format.size() * x.len()));
+        // Safety: the caller's guarantees.
+        in_blocks_of_three!(xs, out, |block| unsafe {
+            dot_floats_tokens(format, row, block)
+        });
+    }
+
+    /// Each of `rows` (at most `TILE_ROWS`) times `T` inputs, `out[r * stride + t]`: 512 values
+    /// of every row before the next 512, so that the inputs' slices stay in L1 across the rows.
+    /// Bit-identical to `dot_floats`.
+    ///
+    /// # Safety
+    /// As `dot_floats`, for every row and input.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn float_tile<const T: usize>(
+        format: FloatFormat,
+        rows: &[&[u8]],
+        xs: [&[f32]; T],
+        (out, stride): (&mut [f32], usize),
+    ) {
+        assert!(rows.len() <= TILE_ROWS);
+        let n = xs.first().map_or(0, |x| x.len());
+        assert!(
+            rows.iter().all(|r| r.len() == format.size() * n) && xs.iter().all(|x| x.len() == n),
+            "every row and input of a tile as long"
+        );
+        let mut sums = [[[_mm256_setzero_ps(); 4]; T]; TILE_ROWS];
+        for steps in super::blocks(n / 32, 16) {
+            for (row, sums) in rows.iter().zip(sums.iter_mut()) {
+                // Safety: the caller's guarantees; the lengths were checked above.
+                unsafe { float_steps_of(format, row, xs, steps.clone(), sums) };
             }
-            i += 32;
         }
-        while i + 8 <= n {
-            // Safety: i + 8 <= n.
-            let (w, xv) = unsafe {
-                (
-                    load8(format, row.as_ptr().add(size * i)),
-                    _mm256_loadu_ps(x.as_ptr().add(i)),
-                )
+        for (r, (row, sums)) in rows.iter().zip(sums).enumerate() {
+            // Safety: as above.
+            let dots = unsafe { float_finish(format, row, xs, sums) };
+            out[r * stride..r * stride + T].copy_from_slice(&dots);
+        }
+    }
+
+    /// Rows (at most `TILE_ROWS`) times every input, `out[r * xs.len() + t]`, three inputs at a
+    /// time.
+    ///
+    /// # Safety
+    /// As `dot_floats`, for every row and input.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn floats_tile(format: FloatFormat, rows: &[&[u8]], xs: &[&[f32]], out: &mut [f32]) {
+        let stride = xs.len();
+        // Safety: the caller's guarantees.
+        for_blocks_of_three!(xs, |block, t| unsafe {
+            float_tile(format, rows, block, (&mut out[t..], stride))
+        });
+    }
+
+    /// A packed 4-bit row format (16 bytes per group of 32 weights, low nibble first).
+    #[derive(Clone, Copy)]
+    pub enum PackedFormat {
+        /// MXFP4: E2M1 weights, one E8M0 scale byte per group.
+        Mxfp4,
+        /// Group-scaled INT4: nibble - 8, one little-endian f16 scale per group.
+        Int4,
+    }
+
+    impl PackedFormat {
+        /// The weights by 4-bit code as small integers (twice the E2M1 values for MXFP4: the
+        /// halving goes into the scale, exactly).
+        #[target_feature(enable = "avx2")]
+        fn small_integers(self) -> __m128i {
+            match self {
+                PackedFormat::Mxfp4 => {
+                    _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+                }
+                PackedFormat::Int4 => {
+                    _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                }
+            }
+        }
+    }
+
+    /// A row format of groups of 32 weights with a scale each, as the AVX2 kernels read it.
+    #[derive(Clone, Copy)]
+    enum GroupFormat {
+        /// 4-bit codes, 16 bytes per group, inputs in `InputOrder::GroupHalves`.
+        Packed(PackedFormat),
+        /// q8: 32 signed bytes per group and a little-endian f16 scale, inputs as given.
+        Q8,
+    }
+
+    impl GroupFormat {
+        fn bytes_per_group(self) -> usize {
+            match self {
+                GroupFormat::Packed(_) => 16,
+                GroupFormat::Q8 => 32,
+            }
+        }
+
+        fn scale_bytes(self) -> usize {
+            match self {
+                GroupFormat::Packed(PackedFormat::Mxfp4) => 1,
+                _ => 2,
+            }
+        }
+
+        /// What group `g`'s weights (as `group_weights` gives them) are multiplied by.
+        #[target_feature(enable = "avx2,f16c")]
+        fn group_scale(self, scales: &[u8], g: usize) -> f32 {
+            match self {
+                GroupFormat::Packed(PackedFormat::Mxfp4) => 0.5 * e8m0_scale(scales[g]),
+                _ => {
+                    let bits = u16::from_le_bytes([scales[2 * g], scales[2 * g + 1]]);
+                    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+                }
+            }
+        }
+    }
+
+    /// Eight signed bytes (the low half of `bytes`) as f32.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    fn widen8(bytes: __m128i) -> __m256 {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))
+    }
+
+    /// Group `g`'s 32 weights (before scaling) as 4 vectors, in the order the format reads its
+    /// inputs: a 4-bit group's 16 low nibbles (even inputs) then its 16 high ones, through the
+    /// table of small integers; a q8 group's bytes as they are.
+    ///
+    /// # Safety
+    /// AVX2; the group's bytes lie in `bytes`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn group_weights(row: GroupRow, g: usize) -> [__m256; 4] {
+        let at = row.format.bytes_per_group() * g;
+        match row.format {
+            GroupFormat::Packed(_) => {
+                let low = _mm_set1_epi8(0x0F);
+                // Safety: the caller's guarantee.
+                let bytes = unsafe { _mm_loadu_si128(row.bytes.as_ptr().add(at).cast()) };
+                let even = _mm_shuffle_epi8(row.small_integers, _mm_and_si128(bytes, low));
+                let odd = _mm_shuffle_epi8(
+                    row.small_integers,
+                    _mm_and_si128(_mm_srli_epi16::<4>(bytes), low),
+                );
+                [
+                    widen8(even),
+                    widen8(_mm_srli_si128::<8>(even)),
+                    widen8(odd),
+                    widen8(_mm_srli_si128::<8>(odd)),
+                ]
+            }
+            // Safety: the caller's guarantee (32 bytes from `at`).
+            GroupFormat::Q8 => std::array::from_fn(|k| unsafe {
+                widen8(_mm_loadl_epi64(row.bytes.as_ptr().add(at + 8 * k).cast()))
+            }),
+        }
+    }
+
+    /// One row of a group format: its bytes, its scale bytes, and for 4-bit codes their table.
+    #[derive(Clone, Copy)]
+    struct GroupRow<'a> {
+        format: GroupFormat,
+        small_integers: __m128i,
+        bytes: &'a [u8],
+        scales: &'a [u8],
+    }
+
+    impl<'a> GroupRow<'a> {
+        #[target_feature(enable = "avx2")]
+        fn new(format: GroupFormat, (bytes, scales): (&'a [u8], &'a [u8])) -> GroupRow<'a> {
+            let groups = bytes.len() / format.bytes_per_group();
+            assert!(
+                bytes.len() == format.bytes_per_group() * groups
+                    && scales.len() >= groups * format.scale_bytes(),
+                "a row holds whole groups of 32 weights and a scale per group"
+            );
+            let small_integers = match format {
+                GroupFormat::Packed(packed) => packed.small_integers(),
+                GroupFormat::Q8 => _mm_setzero_si128(),
             };
-            acc[0] = _mm256_fmadd_ps(w, xv, acc[0]);
-            i += 8;
+            GroupRow {
+                format,
+                small_integers,
+                bytes,
+                scales,
+            }
         }
-        let total = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        let mut sum = sum8(total);
-        for (k, xk) in x.iter().enumerate().skip(i) {
-            sum += decode_at(format, row, k) * xk;
+
+        fn groups(&self) -> usize {
+            self.bytes.len() / self.format.bytes_per_group()
         }
-        sum
+    }
+
+    /// Adds groups `groups` of a row times `T` inputs to `totals`: per input, a group's 32
+    /// products summed (one multiply, three multiply-adds), then scaled into the total. The
+    /// group's weights are decoded once for all inputs, and each total sees the same operations
+    /// however many inputs and groups a call takes.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn row_groups<const T: usize>(
+        row: GroupRow,
+        xs: [&[f32]; T],
+        groups: std::ops::Range<usize>,
+        totals: &mut [__m256; T],
+    ) {
+        assert!(
+            groups.end <= row.groups() && xs.iter().all(|x| x.len() == 32 * row.groups()),
+            "each input holds 32 values per group of the row"
+        );
+        let mut acc = *totals;
+        for g in groups {
+            let at = row.format.bytes_per_group() * g;
+            if at.is_multiple_of(64) {
+                prefetch_ahead(row.bytes.as_ptr().wrapping_add(at), 64);
+            }
+            // Safety: group g exists (asserted above).
+            let w = unsafe { group_weights(row, g) };
+            let scale = _mm256_set1_ps(row.format.group_scale(row.scales, g));
+            for (total, x) in acc.iter_mut().zip(&xs) {
+                // Safety: the group's 32 inputs are in bounds (asserted above).
+                let sum = unsafe {
+                    let x = x.as_ptr().add(32 * g);
+                    let sum = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));
+                    let sum = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x.add(8)), sum);
+                    let sum = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x.add(16)), sum);
+                    _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x.add(24)), sum)
+                };
+                *total = _mm256_fmadd_ps(sum, scale, *total);
+            }
+        }
+        *totals = acc;
+    }
+
+    /// One row times `T` inputs.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn row_dots<const T: usize>(row: GroupRow, xs: [&[f32]; T]) -> [f32; T] {
+        let mut totals = [_mm256_setzero_ps(); T];
+        // Safety: the caller's guarantees.
+        unsafe { row_groups(row, xs, 0..row.groups(), &mut totals) };
+        sums8(&totals)
+    }
+
+    /// `out[t] = row . xs[t]`, four inputs at a time.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn row_dots_each(row: GroupRow, xs: &[&[f32]], out: &mut [f32]) {
+        // Safety: the caller's guarantees.
+        in_blocks_of_four!(xs, out, |block| unsafe { row_dots(row, block) });
+    }
+
+    /// Groups a tile works through before moving to the next row: the inputs' slices of a block
+    /// (16 KiB for four inputs) stay in L1 while every row of the tile reads them.
+    const TILE_GROUPS: usize = 32;
+
+    /// Each of `rows` (at most `TILE_ROWS`) times `T` inputs, block of groups by block of
+    /// groups: `out[r * stride + t]`. Bit-identical to `row_dots`.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn tile_dots<const T: usize>(
+        rows: &[GroupRow],
+        xs: [&[f32]; T],
+        (out, stride): (&mut [f32], usize),
+    ) {
+        assert!(rows.len() <= TILE_ROWS);
+        let mut totals = [[_mm256_setzero_ps(); T]; TILE_ROWS];
+        let groups = rows.first().map_or(0, GroupRow::groups);
+        for block in super::blocks(groups, TILE_GROUPS) {
+            for (row, totals) in rows.iter().zip(totals.iter_mut()) {
+                // Safety: the caller's guarantees.
+                unsafe { row_groups(*row, xs, block.clone(), totals) };
+            }
+        }
+        for (r, totals) in totals.iter().take(rows.len()).enumerate() {
+            out[r * stride..r * stride + T].copy_from_slice(&sums8(totals));
+        }
+    }
+
+    /// Rows (bytes, scale bytes; at most `TILE_ROWS`, all as long) of `format` times every
+    /// input: `out[r * xs.len() + t]`, four inputs at a time.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn rows_tile(
+        format: GroupFormat,
+        rows: &[(&[u8], &[u8])],
+        xs: &[&[f32]],
+        out: &mut [f32],
+    ) {
+        assert!(rows.len() <= TILE_ROWS);
+        let mut tile = [GroupRow::new(format, (&[], &[])); TILE_ROWS];
+        for (slot, &row) in tile.iter_mut().zip(rows) {
+            *slot = GroupRow::new(format, row);
+        }
+        let rows = &tile[..rows.len()];
+        assert!(rows.iter().all(|r| r.groups() == rows[0].groups()));
+        let stride = xs.len();
+        // Safety: the caller's guarantees.
+        for_blocks_of_four!(xs, |block, t| unsafe {
+            tile_dots(rows, block, (&mut out[t..], stride))
+        });
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `packed` holds 16 bytes and `scales` the
+    /// format's scale per 32 values of `x` (in `InputOrder::GroupHalves`).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_packed_row(
+        format: PackedFormat,
+        packed: &[u8],
+        scales: &[u8],
+        x: &[f32],
+    ) -> f32 {
+        let row = GroupRow::new(GroupFormat::Packed(format), (packed, scales));
+        // Safety: the caller's guarantees.
+        unsafe { row_dots(row, [x])[0] }
+    }
+
+    /// # Safety
+    /// As `dot_packed_row`, for every input.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_packed_each(
+        format: PackedFormat,
+        packed: &[u8],
+        scales: &[u8],
+        xs: &[&[f32]],
+        out: &mut [f32],
+    ) {
+        let row = GroupRow::new(GroupFormat::Packed(format), (packed, scales));
+        // Safety: the caller's guarantees.
+        unsafe { row_dots_each(row, xs, out) }
+    }
+
+    /// # Safety
+    /// As `dot_packed_row`, for every row and input.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn packed_rows_tile(
+        format: PackedFormat,
+        rows: &[(&[u8], &[u8])],
+        xs: &[&[f32]],
+        out: &mut [f32],
+    ) {
+        // Safety: the caller's guarantees.
+        unsafe { rows_tile(GroupFormat::Packed(format), rows, xs, out) }
     }
 
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C; `values` holds `x.len()` signed bytes and
-    /// `scales` one little-endian f16 per 32 of them.
+    /// `scales` one little-endian f16 per 32 of them, for every input.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q8(values: &[u8], scales: &[u8], x: &[f32]) -> f32 {
-        let groups = x.len() / 32;
-        assert!(values.len() == x.len() && x.len() == 32 * groups && scales.len() >= 2 * groups);
-        let (v, xs) = (values.as_ptr(), x.as_ptr());
-        let mut total = _mm256_setzero_ps();
-        for g in 0..groups {
-            if g % 2 == 0 {
-                prefetch_ahead(v.wrapping_add(32 * g), 64);
-            }
-            // Safety: group g's 32 values and inputs are in bounds (asserted above).
-            let sum = unsafe {
-                let at = 32 * g;
-                let w = |k: usize| {
-                    let bytes = _mm_loadl_epi64(v.add(at + 8 * k).cast());
-                    _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes))
-                };
-                let input = |k: usize| _mm256_loadu_ps(xs.add(at + 8 * k));
-                let a = _mm256_mul_ps(w(0), input(0));
-                let a = _mm256_fmadd_ps(w(1), input(1), a);
-                let a = _mm256_fmadd_ps(w(2), input(2), a);
-                _mm256_fmadd_ps(w(3), input(3), a)
-            };
-            let bits = u16::from_le_bytes([scales[2 * g], scales[2 * g + 1]]);
-            let scale = _mm256_cvtph_ps(_mm_set1_epi16(bits as i16));
-            total = _mm256_fmadd_ps(sum, scale, total);
-        }
-        sum8(total)
-    }
-
-    /// `sum over groups g of scale(g) * sum_j lut[nibble j] * x_j` for a packed 4-bit row with
-    /// `x` in natural order (low nibble of byte j is value 2j, high nibble value 2j + 1): the
-    /// nibbles index a 16-byte table of small integers, widened to f32.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2 and FMA; `blocks` holds 16 bytes per 32 values of `x`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn dot_nibbles(
-        lut: __m128i,
-        blocks: &[u8],
-        x: &[f32],
-        scale: impl Fn(usize) -> f32,
-    ) -> f32 {
-        let groups = x.len() / 32;
-        assert!(blocks.len() >= 16 * groups && x.len() == 32 * groups);
-        let low = _mm_set1_epi8(0x0F);
-        let mut total = _mm256_setzero_ps();
-        for g in 0..groups {
-            if g % 4 == 0 {
-                prefetch_ahead(blocks.as_ptr().wrapping_add(16 * g), 64);
-            }
-            // Safety: 16 bytes of group g lie within `blocks` (asserted above).
-            let bytes = unsafe { _mm_loadu_si128(blocks.as_ptr().add(16 * g).cast()) };
-            let lo = _mm_shuffle_epi8(lut, _mm_and_si128(bytes, low));
-            let hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16::<4>(bytes), low));
-            let first = _mm_unpacklo_epi8(lo, hi);
-            let second = _mm_unpackhi_epi8(lo, hi);
-            let xs = x.as_ptr();
-            let base = 32 * g;
-            let w = [
-                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first)),
-                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(first))),
-                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(second)),
-                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128::<8>(second))),
-            ];
-            // Safety: the 32 floats of group g lie within `x` (asserted above).
-            let acc = unsafe {
-                let a = _mm256_mul_ps(w[0], _mm256_loadu_ps(xs.add(base)));
-                let a = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xs.add(base + 8)), a);
-                let a = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xs.add(base + 16)), a);
-                _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xs.add(base + 24)), a)
-            };
-            total = _mm256_fmadd_ps(acc, _mm256_set1_ps(scale(g)), total);
-        }
-        sum8(total)
-    }
-
-    /// # Safety
-    /// The CPU must support AVX2 and FMA; `blocks` holds 16 bytes and `scales` one byte per 32
-    /// values of `x`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
-        assert!(scales.len() >= x.len() / 32);
-        // Twice the E2M1 values, as bytes (the halving goes into the scale: exact).
-        let lut = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    pub unsafe fn dot_q8_each(values: &[u8], scales: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+        let row = GroupRow::new(GroupFormat::Q8, (values, scales));
         // Safety: the caller's guarantees.
-        unsafe { dot_nibbles(lut, blocks, x, |g| 0.5 * e8m0_scale(scales[g])) }
+        unsafe { row_dots_each(row, xs, out) }
     }
 
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; `qweight` holds 16 bytes and `scales` one
-    /// little-endian f16 per 32 values of `x`.
+    /// As `dot_q8_each`, for every row.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_int4(qweight: &[u8], scales: &[u8], x: &[f32]) -> f32 {
-        assert!(scales.len() >= 2 * (x.len() / 32));
-        let lut = _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-        let scale = |g: usize| {
-            let bits = u16::from_le_bytes([scales[2 * g], scales[2 * g + 1]]);
-            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-        };
+    pub unsafe fn q8_tile(rows: &[(&[u8], &[u8])], xs: &[&[f32]], out: &mut [f32]) {
         // Safety: the caller's guarantees.
-        unsafe { dot_nibbles(lut, qweight, x, scale) }
+        unsafe { rows_tile(GroupFormat::Q8, rows, xs, out) }
     }
 }
 
@@ -830,7 +1317,7 @@ mod x86 {
 mod x86_512 {
     use std::arch::x86_64::*;
 
-    use super::x86::prefetch_ahead;
+    use super::x86::{BF16, F16, F32, PackedFormat, format_of, prefetch_ahead};
 
     use crate::cpu::formats::FP4_VALUES;
     use crate::cpu::matmul::decode_at;
@@ -1076,11 +1563,6 @@ mod x86_512 {
     /// synthetic 20B's prefill, they cost more issue slots than they saved.
     const FLOAT_ROW_BLOCK: usize = 4;
 
-    /// The float formats as const parameters, so that each loop has its load inlined.
-    const BF16: u8 = 0;
-    const F16: u8 = 1;
-    const F32: u8 = 2;
-
     /// 16 values of the format `FORMAT` names at `p`, as f32.
     ///
     /// # Safety
@@ -1088,13 +1570,8 @@ mod x86_512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     #[inline]
     unsafe fn load_format<const FORMAT: u8>(p: *const u8) -> __m512 {
-        let format = match FORMAT {
-            BF16 => FloatFormat::Bf16,
-            F16 => FloatFormat::F16,
-            _ => FloatFormat::F32,
-        };
         // Safety: the caller's guarantees.
-        unsafe { load16(format, p) }
+        unsafe { load16(format_of::<FORMAT>(), p) }
     }
 
     /// Adds 64-value steps `steps` of up to `FLOAT_ROW_BLOCK` rows times `T` inputs to `totals`,
@@ -1401,66 +1878,6 @@ mod x86_512 {
         }
     }
 
-    /// Runs `$call` over `$xs` in blocks of `$full` inputs, then the rest together (one of the
-    /// sizes `$n`), `$block` being an array of them and `$t` the index of its first.
-    macro_rules! for_blocks_of {
-        ($full:literal, [$($n:literal),*], $xs:expr, |$block:ident, $t:ident| $call:expr) => {{
-            let xs: &[&[f32]] = $xs;
-            let mut $t = 0;
-            while $t < xs.len() {
-                match xs.len() - $t {
-                    $(
-                        $n => {
-                            let $block: [&[f32]; $n] = xs[$t..$t + $n].try_into().unwrap();
-                            $call;
-                            $t += $n;
-                        }
-                    )*
-                    _ => {
-                        let $block: [&[f32]; $full] = xs[$t..$t + $full].try_into().unwrap();
-                        $call;
-                        $t += $full;
-                    }
-                }
-            }
-        }};
-    }
-
-    /// `for_blocks_of!` four inputs at a time.
-    macro_rules! for_blocks_of_four {
-        ($xs:expr, |$block:ident, $t:ident| $call:expr) => {
-            for_blocks_of!(4, [1, 2, 3], $xs, |$block, $t| $call)
-        };
-    }
-
-    /// `for_blocks_of!` eight inputs at a time.
-    macro_rules! for_blocks_of_eight {
-        ($xs:expr, |$block:ident, $t:ident| $call:expr) => {
-            for_blocks_of!(8, [1, 2, 3, 4, 5, 6, 7], $xs, |$block, $t| $call)
-        };
-    }
-
-    /// Runs `$call` (an expression of `$block`, an array of inputs) over `$xs` through
-    /// `$for_blocks` (`for_blocks_of_four` or `for_blocks_of_eight`), writing each result into
-    /// `$out`.
-    macro_rules! in_blocks {
-        ($for_blocks:ident, $xs:expr, $out:expr, |$block:ident| $call:expr) => {{
-            let (xs, out): (&[&[f32]], &mut [f32]) = ($xs, $out);
-            assert_eq!(xs.len(), out.len());
-            $for_blocks!(xs, |$block, t| {
-                let sums = $call;
-                out[t..t + sums.len()].copy_from_slice(&sums);
-            });
-        }};
-    }
-
-    /// `in_blocks!` four inputs at a time.
-    macro_rules! in_blocks_of_four {
-        ($xs:expr, $out:expr, |$block:ident| $call:expr) => {
-            in_blocks!(for_blocks_of_four, $xs, $out, |$block| $call)
-        };
-    }
-
     /// # Safety
     /// As `dot_floats_tokens`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
@@ -1662,15 +2079,6 @@ mod x86_512 {
         ];
         // Safety: as in `fp4_table`.
         unsafe { _mm512_loadu_ps(CENTERED.as_ptr()) }
-    }
-
-    /// A packed 4-bit row format the per-run kernels read.
-    #[derive(Clone, Copy)]
-    pub enum PackedFormat {
-        /// MXFP4: E2M1 weights, one E8M0 scale byte per group.
-        Mxfp4,
-        /// Group-scaled INT4: nibble - 8, one little-endian f16 scale per group.
-        Int4,
     }
 
     impl PackedFormat {
