@@ -151,9 +151,7 @@ pub fn float_tile(kernels: CpuKernels) -> FloatTile {
             unsafe { x86::floats_tile(format, rows, xs, out) }
         },
         #[cfg(target_arch = "aarch64")]
-        CpuKernels::Neon => |format, rows, xs, out| {
-            float_tile_with(float_dot_each(CpuKernels::Neon), format, rows, xs, out)
-        },
+        CpuKernels::Neon => neon::floats_tile,
         _ => |format, rows, xs, out| {
             float_tile_with(float_dot_each(CpuKernels::Scalar), format, rows, xs, out)
         },
@@ -187,11 +185,7 @@ pub fn float_dot_each(kernels: CpuKernels) -> FloatDotEach {
             unsafe { x86::dot_floats_each(format, row, xs, out) }
         },
         #[cfg(target_arch = "aarch64")]
-        CpuKernels::Neon => |format, row, xs, out| {
-            for (o, x) in out.iter_mut().zip(xs) {
-                *o = neon::dot_floats(format, row, x);
-            }
-        },
+        CpuKernels::Neon => neon::dot_floats_each,
         _ => |format, row, xs, out| {
             for (o, x) in out.iter_mut().zip(xs) {
                 *o = crate::cpu::matmul::dot_dense_scalar(format, row, x);
@@ -316,13 +310,7 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => avx2_packed_dot::<AVX2_MXFP4>(),
         #[cfg(target_arch = "aarch64")]
-        CpuKernels::Neon => PackedDot::one_at_a_time(
-            InputOrder::Natural,
-            neon::dot_mxfp4,
-            |blocks, scales, xs, out| each_with(neon::dot_mxfp4, blocks, scales, xs, out),
-            |rows, xs, out| tile_with(mxfp4_dot(CpuKernels::Neon).dot_each, rows, xs, out),
-            |runs, x, outs| rows_with(neon::dot_mxfp4, runs, x, outs),
-        ),
+        CpuKernels::Neon => neon_packed_dot::<NEON_MXFP4>(),
         _ => PackedDot::one_at_a_time(
             InputOrder::Natural,
             crate::cpu::matmul::dot_mxfp4_scalar,
@@ -338,6 +326,32 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
             |rows, xs, out| tile_with(mxfp4_dot(CpuKernels::Scalar).dot_each, rows, xs, out),
             |runs, x, outs| rows_with(crate::cpu::matmul::dot_mxfp4_scalar, runs, x, outs),
         ),
+    }
+}
+
+/// The packed formats as const parameters of `neon_packed_dot` (see `avx2_packed_dot`).
+#[cfg(target_arch = "aarch64")]
+const NEON_MXFP4: u8 = 0;
+#[cfg(target_arch = "aarch64")]
+const NEON_INT4: u8 = 1;
+
+/// The NEON kernels of a packed format: groups decoded once for up to four inputs.
+#[cfg(target_arch = "aarch64")]
+fn neon_packed_dot<const FORMAT: u8>() -> PackedDot {
+    const fn format<const FORMAT: u8>() -> neon::GroupFormat {
+        match FORMAT {
+            NEON_MXFP4 => neon::GroupFormat::Mxfp4,
+            _ => neon::GroupFormat::Int4,
+        }
+    }
+    PackedDot {
+        input_order: InputOrder::GroupHalves,
+        dot: |packed, scales, x| neon::dot_row(format::<FORMAT>(), packed, scales, x),
+        dot_each: |packed, scales, xs, out| {
+            neon::dot_row_each(format::<FORMAT>(), packed, scales, xs, out)
+        },
+        tile: |rows, xs, out| neon::rows_tile(format::<FORMAT>(), rows, xs, out),
+        rows: |runs, x, outs| rows_with(neon_packed_dot::<FORMAT>().dot, runs, x, outs),
     }
 }
 
@@ -415,13 +429,7 @@ pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => avx2_packed_dot::<AVX2_INT4>(),
         #[cfg(target_arch = "aarch64")]
-        CpuKernels::Neon => PackedDot::one_at_a_time(
-            InputOrder::Natural,
-            neon::dot_int4,
-            |qweight, scales, xs, out| each_with(neon::dot_int4, qweight, scales, xs, out),
-            |rows, xs, out| tile_with(int4_dot(CpuKernels::Neon).dot_each, rows, xs, out),
-            |runs, x, outs| rows_with(neon::dot_int4, runs, x, outs),
-        ),
+        CpuKernels::Neon => neon_packed_dot::<NEON_INT4>(),
         _ => PackedDot::one_at_a_time(
             InputOrder::Natural,
             crate::cpu::matmul::dot_int4_scalar,
@@ -459,9 +467,7 @@ pub fn q8_dot_each(kernels: CpuKernels) -> Q8DotEach {
         },
         #[cfg(target_arch = "aarch64")]
         CpuKernels::Neon => |values, scales, xs, out| {
-            for (o, x) in out.iter_mut().zip(xs) {
-                *o = neon::dot_q8(values, scales, x);
-            }
+            neon::dot_row_each(neon::GroupFormat::Q8, values, scales, xs, out)
         },
         _ => |values, scales, xs, out| {
             for (o, x) in out.iter_mut().zip(xs) {
@@ -486,14 +492,13 @@ pub fn q8_tile(kernels: CpuKernels) -> PackedTile {
             unsafe { x86::q8_tile(rows, xs, out) }
         },
         #[cfg(target_arch = "aarch64")]
-        CpuKernels::Neon => |rows, xs, out| tile_with(q8_dot_each(CpuKernels::Neon), rows, xs, out),
+        CpuKernels::Neon => |rows, xs, out| neon::rows_tile(neon::GroupFormat::Q8, rows, xs, out),
         _ => |rows, xs, out| tile_with(q8_dot_each(CpuKernels::Scalar), rows, xs, out),
     }
 }
 
 /// `0..len` in consecutive ranges of `size` (the last may be shorter): the blocks a cache-blocked
 /// tile works through.
-#[cfg(target_arch = "x86_64")]
 fn blocks(len: usize, size: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
     (0..len)
         .step_by(size)
@@ -628,7 +633,6 @@ fn arrange_packed_input(x: &[f32], cols: usize, out: &mut AlignedFloats) {
 
 /// Runs `$call` over `$xs` in blocks of `$full` inputs, then the rest together (one of the
 /// sizes `$n`), `$block` being an array of them and `$t` the index of its first.
-#[cfg(target_arch = "x86_64")]
 macro_rules! for_blocks_of {
     ($full:literal, [$($n:literal),*], $xs:expr, |$block:ident, $t:ident| $call:expr) => {{
         let xs: &[&[f32]] = $xs;
@@ -661,7 +665,6 @@ macro_rules! for_blocks_of_three {
 }
 
 /// `for_blocks_of!` four inputs at a time.
-#[cfg(target_arch = "x86_64")]
 macro_rules! for_blocks_of_four {
     ($xs:expr, |$block:ident, $t:ident| $call:expr) => {
         for_blocks_of!(4, [1, 2, 3], $xs, |$block, $t| $call)
@@ -679,7 +682,6 @@ macro_rules! for_blocks_of_eight {
 /// Runs `$call` (an expression of `$block`, an array of inputs) over `$xs` through
 /// `$for_blocks` (one of the `for_blocks_of_*` macros), writing each result into
 /// `$out`.
-#[cfg(target_arch = "x86_64")]
 macro_rules! in_blocks {
     ($for_blocks:ident, $xs:expr, $out:expr, |$block:ident| $call:expr) => {{
         let (xs, out): (&[&[f32]], &mut [f32]) = ($xs, $out);
@@ -700,7 +702,6 @@ macro_rules! in_blocks_of_three {
 }
 
 /// `in_blocks!` four inputs at a time.
-#[cfg(target_arch = "x86_64")]
 macro_rules! in_blocks_of_four {
     ($xs:expr, $out:expr, |$block:ident| $call:expr) => {
         in_blocks!(for_blocks_of_four, $xs, $out, |$block| $call)
@@ -2301,7 +2302,7 @@ mod tests {
         let int4_scales: Vec<u8> = (0..n / 32)
             .flat_map(|g| half::f16::from_f32(0.02 * (g % 5 + 1) as f32).to_le_bytes())
             .collect();
-        for kernels in [CpuKernels::Scalar, CpuKernels::Avx2, CpuKernels::Avx512] {
+        for kernels in std::iter::once(CpuKernels::Scalar).chain(simd_sets()) {
             for count in 1..=inputs.len() {
                 let xs: Vec<&[f32]> = inputs[..count].iter().map(Vec::as_slice).collect();
                 let mut sums = vec![0f32; count];

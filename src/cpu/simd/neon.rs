@@ -6,6 +6,7 @@
 use std::arch::aarch64::*;
 
 use crate::cpu::formats::{e8m0_scale, f16_to_f32};
+use super::TILE_ROWS;
 use crate::cpu::matmul::decode_at;
 use crate::weights::FloatFormat;
 
@@ -44,129 +45,351 @@ fn f16_to_f32x4(halves: uint32x4_t) -> float32x4_t {
     }
 }
 
+/// Four running sums per input, 4 lanes each: value `16 s + 4 k + j` of a float row goes into
+/// lane j of sum k.
+type FloatSums<const T: usize> = [[float32x4_t; 4]; T];
+
+/// Adds the 16-value steps `steps` of `row` times `T` inputs to `sums`, each vector of the row
+/// decoded once for all inputs.
+#[inline(always)]
+fn float_steps<const T: usize>(
+    format: FloatFormat,
+    row: &[u8],
+    xs: [&[f32]; T],
+    steps: std::ops::Range<usize>,
+    sums: &mut FloatSums<T>,
+) {
+    let size = format.size();
+    let n = row.len() / size;
+    assert!(16 * steps.end <= n && xs.iter().all(|x| x.len() == n));
+    let mut acc = *sums;
+    for s in steps {
+        for k in 0..4 {
+            let at = 16 * s + 4 * k;
+            // Safety: at + 4 <= n (asserted above): four values of the row and of each input.
+            // NEON is part of the aarch64 target.
+            unsafe {
+                let w = load4(format, row.as_ptr().add(size * at));
+                for (a, x) in acc.iter_mut().zip(&xs) {
+                    a[k] = vfmaq_f32(a[k], w, vld1q_f32(x.as_ptr().add(at)));
+                }
+            }
+        }
+    }
+    *sums = acc;
+}
+
+/// Each input's dot product with `row` from its sums over the whole 16-value steps: the 4-value
+/// steps after them into sum 0, the four sums added pairwise, the last values one by one.
+#[inline(always)]
+fn float_finish<const T: usize>(
+    format: FloatFormat,
+    row: &[u8],
+    xs: [&[f32]; T],
+    sums: FloatSums<T>,
+) -> [f32; T] {
+    let size = format.size();
+    let n = row.len() / size;
+    assert!(xs.iter().all(|x| x.len() == n));
+    let mut dots = [0f32; T];
+    for ((dot, mut acc), x) in dots.iter_mut().zip(sums).zip(&xs) {
+        let mut i = 16 * (n / 16);
+        // Safety: each load reads four values at i with i + 4 <= n; NEON is part of the target.
+        unsafe {
+            while i + 4 <= n {
+                let w = load4(format, row.as_ptr().add(size * i));
+                acc[0] = vfmaq_f32(acc[0], w, vld1q_f32(x.as_ptr().add(i)));
+                i += 4;
+            }
+            let total = vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3]));
+            *dot = vaddvq_f32(total);
+        }
+        for (k, xk) in x.iter().enumerate().skip(i) {
+            *dot += decode_at(format, row, k) * xk;
+        }
+    }
+    dots
+}
+
+/// `row` times each of `T` inputs.
+#[inline(always)]
+fn dot_floats_tokens<const T: usize>(format: FloatFormat, row: &[u8], xs: [&[f32]; T]) -> [f32; T] {
+    // Safety: NEON is part of the aarch64 target.
+    let mut sums = [[unsafe { vdupq_n_f32(0.0) }; 4]; T];
+    float_steps(format, row, xs, 0..row.len() / format.size() / 16, &mut sums);
+    float_finish(format, row, xs, sums)
+}
+
 /// `row . x` for a row of bf16, f16 or f32 values.
 pub fn dot_floats(format: FloatFormat, row: &[u8], x: &[f32]) -> f32 {
-    let size = format.size();
-    assert_eq!(row.len(), size * x.len(), "row and input of one length");
-    let (n, w, xs) = (x.len(), row.as_ptr(), x.as_ptr());
-    // Safety (all loads): each reads four values at an index i with i + 4 <= n, within `row`
-    // (checked above) and `x`. NEON is part of the aarch64 target.
-    unsafe {
-        let mut acc = [vdupq_n_f32(0.0); 4];
-        let mut i = 0;
-        while i + 16 <= n {
-            for (k, a) in acc.iter_mut().enumerate() {
-                let at = i + 4 * k;
-                *a = vfmaq_f32(*a, load4(format, w.add(size * at)), vld1q_f32(xs.add(at)));
-            }
-            i += 16;
+    assert_eq!(row.len(), format.size() * x.len(), "row and input of one length");
+    dot_floats_tokens(format, row, [x])[0]
+}
+
+/// `out[t] = row . xs[t]`, four inputs at a time (16 sums and 4 decoded vectors in registers).
+pub fn dot_floats_each(format: FloatFormat, row: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+    assert!(xs.iter().all(|x| row.len() == format.size() * x.len()));
+    in_blocks_of_four!(xs, out, |block| dot_floats_tokens(format, row, block));
+}
+
+/// Each of `rows` (at most `TILE_ROWS`) times `T` inputs, `out[r * stride + t]`: 256 values of
+/// every row before the next 256, so that the inputs' slices stay in L1 across the rows.
+/// Bit-identical to `dot_floats`.
+#[inline(always)]
+fn float_tile<const T: usize>(
+    format: FloatFormat,
+    rows: &[&[u8]],
+    xs: [&[f32]; T],
+    (out, stride): (&mut [f32], usize),
+) {
+    assert!(rows.len() <= TILE_ROWS);
+    let n = xs.first().map_or(0, |x| x.len());
+    assert!(
+        rows.iter().all(|r| r.len() == format.size() * n) && xs.iter().all(|x| x.len() == n),
+        "every row and input of a tile as long"
+    );
+    // Safety: NEON is part of the aarch64 target.
+    let mut sums = [[[unsafe { vdupq_n_f32(0.0) }; 4]; T]; TILE_ROWS];
+    for steps in super::blocks(n / 16, 16) {
+        for (row, sums) in rows.iter().zip(sums.iter_mut()) {
+            float_steps(format, row, xs, steps.clone(), sums);
         }
-        while i + 4 <= n {
-            acc[0] = vfmaq_f32(acc[0], load4(format, w.add(size * i)), vld1q_f32(xs.add(i)));
-            i += 4;
-        }
-        let total = vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3]));
-        let mut sum = vaddvq_f32(total);
-        for (k, xk) in x.iter().enumerate().skip(i) {
-            sum += decode_at(format, row, k) * xk;
-        }
-        sum
+    }
+    for (r, (row, sums)) in rows.iter().zip(sums).enumerate() {
+        out[r * stride..r * stride + T].copy_from_slice(&float_finish(format, row, xs, sums));
     }
 }
 
-/// Adds 16 signed bytes, widened to f32, times the 16 inputs at `xs` into `sums`: each four
-/// values in turn, alternating between the two sums.
-///
-/// # Safety
-/// `xs` points to 16 readable f32 values.
+/// Rows (at most `TILE_ROWS`) times every input, `out[r * xs.len() + t]`, four inputs at a time.
+pub fn floats_tile(format: FloatFormat, rows: &[&[u8]], xs: &[&[f32]], out: &mut [f32]) {
+    let stride = xs.len();
+    for_blocks_of_four!(xs, |block, t| float_tile(
+        format,
+        rows,
+        block,
+        (&mut out[t..], stride)
+    ));
+}
+
+/// A row format of groups of 32 weights with a scale each.
+#[derive(Clone, Copy)]
+pub enum GroupFormat {
+    /// MXFP4: E2M1 codes, 16 bytes and one E8M0 scale byte per group, inputs in
+    /// `InputOrder::GroupHalves`.
+    Mxfp4,
+    /// Group-scaled INT4: nibble - 8, 16 bytes and a little-endian f16 scale per group, inputs
+    /// in `InputOrder::GroupHalves`.
+    Int4,
+    /// q8: 32 signed bytes and a little-endian f16 scale per group, inputs as given.
+    Q8,
+}
+
+impl GroupFormat {
+    fn bytes_per_group(self) -> usize {
+        match self {
+            GroupFormat::Q8 => 32,
+            _ => 16,
+        }
+    }
+
+    fn scale_bytes(self) -> usize {
+        match self {
+            GroupFormat::Mxfp4 => 1,
+            _ => 2,
+        }
+    }
+
+    /// The weights by 4-bit code as small integers (twice the E2M1 values for MXFP4: the halving
+    /// goes into the scale, exactly); unused for q8.
+    fn small_integers(self) -> [i8; 16] {
+        match self {
+            GroupFormat::Mxfp4 => [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12],
+            _ => [-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7],
+        }
+    }
+
+    /// What group `g`'s weights (as `group_weights` gives them) are multiplied by.
+    fn group_scale(self, scales: &[u8], g: usize) -> f32 {
+        match self {
+            GroupFormat::Mxfp4 => 0.5 * e8m0_scale(scales[g]),
+            _ => f16_to_f32(scales[2 * g], scales[2 * g + 1]),
+        }
+    }
+}
+
+/// One row of a group format: its bytes and scale bytes, and for 4-bit codes their table.
+#[derive(Clone, Copy)]
+struct GroupRow<'a> {
+    format: GroupFormat,
+    small_integers: int8x16_t,
+    bytes: &'a [u8],
+    scales: &'a [u8],
+}
+
+impl<'a> GroupRow<'a> {
+    fn new(format: GroupFormat, (bytes, scales): (&'a [u8], &'a [u8])) -> GroupRow<'a> {
+        let groups = bytes.len() / format.bytes_per_group();
+        assert!(
+            bytes.len() == format.bytes_per_group() * groups
+                && scales.len() >= groups * format.scale_bytes(),
+            "a row holds whole groups of 32 weights and a scale per group"
+        );
+        // Safety: 16 bytes from a 16-byte array.
+        let small_integers = unsafe { vld1q_s8(format.small_integers().as_ptr()) };
+        GroupRow {
+            format,
+            small_integers,
+            bytes,
+            scales,
+        }
+    }
+
+    fn groups(&self) -> usize {
+        self.bytes.len() / self.format.bytes_per_group()
+    }
+}
+
+/// 16 signed bytes widened to f32: four vectors of four, in order.
 #[inline(always)]
-unsafe fn add_bytes_times_inputs(values: int8x16_t, xs: *const f32, sums: &mut [float32x4_t; 2]) {
-    // Safety: the caller's guarantee covers the four 4-value loads; the rest are register
-    // operations, and NEON is part of the aarch64 target.
+fn widen16(values: int8x16_t) -> [float32x4_t; 4] {
+    // Safety: register operations; NEON is part of the aarch64 target.
     unsafe {
         let wide = [vmovl_s8(vget_low_s8(values)), vmovl_high_s8(values)];
-        for (q, wide) in wide.into_iter().enumerate() {
-            let quads = [vmovl_s16(vget_low_s16(wide)), vmovl_high_s16(wide)];
-            for (r, quad) in quads.into_iter().enumerate() {
-                let w = vcvtq_f32_s32(quad);
-                sums[r] = vfmaq_f32(sums[r], w, vld1q_f32(xs.add(8 * q + 4 * r)));
-            }
-        }
+        let quad = |w: int16x8_t, high: bool| {
+            vcvtq_f32_s32(if high {
+                vmovl_high_s16(w)
+            } else {
+                vmovl_s16(vget_low_s16(w))
+            })
+        };
+        [
+            quad(wide[0], false),
+            quad(wide[0], true),
+            quad(wide[1], false),
+            quad(wide[1], true),
+        ]
     }
 }
 
-/// `sum over groups g of scale(g) * sum_j lut[nibble j] * x_j` for a packed 4-bit row with `x`
-/// in natural order (the low nibble of byte j is value 2j, the high nibble value 2j + 1): the
-/// nibbles index a 16-byte table of small integers, widened to f32.
+/// Group `g`'s 32 weights (before scaling) as 8 vectors of 4, in the order the format reads its
+/// inputs: a 4-bit group's 16 low nibbles (even inputs) then its 16 high ones, through the
+/// table of small integers; a q8 group's bytes as they are.
+///
+/// # Safety
+/// The group's bytes lie in the row.
 #[inline(always)]
-fn dot_nibbles(lut: int8x16_t, blocks: &[u8], x: &[f32], scale: impl Fn(usize) -> f32) -> f32 {
-    let groups = x.len() / 32;
-    assert!(
-        blocks.len() >= 16 * groups && x.len() == 32 * groups,
-        "16 bytes per group of 32 inputs"
-    );
-    // Safety (all loads): group g's 16 bytes and 32 inputs are in bounds (asserted above).
-    unsafe {
-        let mut total = vdupq_n_f32(0.0);
-        for g in 0..groups {
-            let bytes = vld1q_u8(blocks.as_ptr().add(16 * g));
-            let low = vqtbl1q_s8(lut, vandq_u8(bytes, vdupq_n_u8(0x0F)));
-            let high = vqtbl1q_s8(lut, vshrq_n_u8::<4>(bytes));
-            // Values 0-15 and 16-31 in order: each byte's low nibble, then its high one.
-            let halves = [vzip1q_s8(low, high), vzip2q_s8(low, high)];
-            let xs = x.as_ptr().add(32 * g);
-            let mut sums = [vdupq_n_f32(0.0); 2];
-            for (h, values) in halves.into_iter().enumerate() {
-                add_bytes_times_inputs(values, xs.add(16 * h), &mut sums);
+unsafe fn group_weights(row: GroupRow, g: usize) -> [float32x4_t; 8] {
+    let at = row.format.bytes_per_group() * g;
+    // Safety: the caller's guarantee covers the loads; NEON is part of the aarch64 target.
+    let halves = unsafe {
+        match row.format {
+            GroupFormat::Q8 => [
+                vld1q_s8(row.bytes.as_ptr().add(at).cast()),
+                vld1q_s8(row.bytes.as_ptr().add(at + 16).cast()),
+            ],
+            _ => {
+                let bytes = vld1q_u8(row.bytes.as_ptr().add(at));
+                [
+                    vqtbl1q_s8(row.small_integers, vandq_u8(bytes, vdupq_n_u8(0x0F))),
+                    vqtbl1q_s8(row.small_integers, vshrq_n_u8::<4>(bytes)),
+                ]
             }
-            total = vfmaq_n_f32(total, vaddq_f32(sums[0], sums[1]), scale(g));
         }
-        vaddvq_f32(total)
+    };
+    let [a, b] = halves.map(widen16);
+    [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
+}
+
+/// Adds groups `groups` of a row times `T` inputs to `totals`: per input, a group's 32 products
+/// summed into two running sums (vector i into sum i % 2), the two added and scaled into the
+/// total. The group's weights are decoded once for all inputs, and each total sees the same
+/// operations however many inputs and groups a call takes.
+#[inline(always)]
+fn row_groups<const T: usize>(
+    row: GroupRow,
+    xs: [&[f32]; T],
+    groups: std::ops::Range<usize>,
+    totals: &mut [float32x4_t; T],
+) {
+    assert!(
+        groups.end <= row.groups() && xs.iter().all(|x| x.len() == 32 * row.groups()),
+        "each input holds 32 values per group of the row"
+    );
+    let mut acc = *totals;
+    for g in groups {
+        // Safety: group g exists and its 32 inputs are in bounds (asserted above); NEON is part
+        // of the aarch64 target.
+        unsafe {
+            let w = group_weights(row, g);
+            let scale = row.format.group_scale(row.scales, g);
+            for (total, x) in acc.iter_mut().zip(&xs) {
+                let x = x.as_ptr().add(32 * g);
+                let mut sums = [vdupq_n_f32(0.0); 2];
+                for (i, w) in w.iter().enumerate() {
+                    sums[i % 2] = vfmaq_f32(sums[i % 2], *w, vld1q_f32(x.add(4 * i)));
+                }
+                *total = vfmaq_n_f32(*total, vaddq_f32(sums[0], sums[1]), scale);
+            }
+        }
+    }
+    *totals = acc;
+}
+
+/// One row times `T` inputs.
+#[inline(always)]
+fn row_dots<const T: usize>(row: GroupRow, xs: [&[f32]; T]) -> [f32; T] {
+    // Safety: NEON is part of the aarch64 target.
+    let mut totals = [unsafe { vdupq_n_f32(0.0) }; T];
+    row_groups(row, xs, 0..row.groups(), &mut totals);
+    // Safety: as above.
+    totals.map(|t| unsafe { vaddvq_f32(t) })
+}
+
+/// Groups a tile works through before moving to the next row: the inputs' slices of a block
+/// (16 KiB for four inputs) stay in L1 while every row of the tile reads them.
+const TILE_GROUPS: usize = 32;
+
+/// Each of `rows` (at most `TILE_ROWS`) times `T` inputs, block of groups by block of groups:
+/// `out[r * stride + t]`. Bit-identical to `row_dots`.
+#[inline(always)]
+fn tile_dots<const T: usize>(rows: &[GroupRow], xs: [&[f32]; T], (out, stride): (&mut [f32], usize)) {
+    assert!(rows.len() <= TILE_ROWS);
+    // Safety: NEON is part of the aarch64 target.
+    let mut totals = [[unsafe { vdupq_n_f32(0.0) }; T]; TILE_ROWS];
+    let groups = rows.first().map_or(0, GroupRow::groups);
+    for block in super::blocks(groups, TILE_GROUPS) {
+        for (row, totals) in rows.iter().zip(totals.iter_mut()) {
+            row_groups(*row, xs, block.clone(), totals);
+        }
+    }
+    for (r, totals) in totals.iter().take(rows.len()).enumerate() {
+        // Safety: as above.
+        let dots = totals.map(|t| unsafe { vaddvq_f32(t) });
+        out[r * stride..r * stride + T].copy_from_slice(&dots);
     }
 }
 
-/// `row . x` for an MXFP4 row: 16 bytes and one E8M0 scale per 32 values of `x`.
-pub fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
-    assert!(scales.len() >= x.len() / 32, "a scale per group");
-    // Twice the E2M1 values, as bytes (the halving goes into the scale: exact).
-    const TWICE_FP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
-    // Safety: 16 bytes from a 16-byte array.
-    let lut = unsafe { vld1q_s8(TWICE_FP4.as_ptr()) };
-    dot_nibbles(lut, blocks, x, |g| 0.5 * e8m0_scale(scales[g]))
+/// `row . x` for a row of `format` (bytes and scale bytes).
+pub fn dot_row(format: GroupFormat, bytes: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+    row_dots(GroupRow::new(format, (bytes, scales)), [x])[0]
 }
 
-/// `row . x` for a group-scaled INT4 row: 16 bytes and one little-endian f16 scale per 32 values
-/// of `x`.
-pub fn dot_int4(qweight: &[u8], scales: &[u8], x: &[f32]) -> f32 {
-    assert!(scales.len() >= 2 * (x.len() / 32), "a scale per group");
-    const INT4: [i8; 16] = [-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7];
-    // Safety: 16 bytes from a 16-byte array.
-    let lut = unsafe { vld1q_s8(INT4.as_ptr()) };
-    dot_nibbles(lut, qweight, x, |g| {
-        f16_to_f32(scales[2 * g], scales[2 * g + 1])
-    })
+/// `out[t] = row . xs[t]`, four inputs at a time.
+pub fn dot_row_each(format: GroupFormat, bytes: &[u8], scales: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+    let row = GroupRow::new(format, (bytes, scales));
+    in_blocks_of_four!(xs, out, |block| row_dots(row, block));
 }
 
-/// `row . x` for a q8 row: signed bytes and one little-endian f16 scale per 32 of them.
-pub fn dot_q8(values: &[u8], scales: &[u8], x: &[f32]) -> f32 {
-    let groups = x.len() / 32;
-    assert!(
-        values.len() == x.len() && x.len() == 32 * groups && scales.len() >= 2 * groups,
-        "32 values and a scale per group of 32 inputs"
-    );
-    // Safety (all loads): group g's 32 values and inputs are in bounds (asserted above).
-    unsafe {
-        let mut total = vdupq_n_f32(0.0);
-        for g in 0..groups {
-            let xs = x.as_ptr().add(32 * g);
-            let mut sums = [vdupq_n_f32(0.0); 2];
-            for h in 0..2 {
-                let bytes = vld1q_s8(values.as_ptr().add(32 * g + 16 * h).cast());
-                add_bytes_times_inputs(bytes, xs.add(16 * h), &mut sums);
-            }
-            let scale = f16_to_f32(scales[2 * g], scales[2 * g + 1]);
-            total = vfmaq_n_f32(total, vaddq_f32(sums[0], sums[1]), scale);
-        }
-        vaddvq_f32(total)
+/// Rows (bytes, scale bytes; at most `TILE_ROWS`, all as long) of `format` times every input:
+/// `out[r * xs.len() + t]`, four inputs at a time.
+pub fn rows_tile(format: GroupFormat, rows: &[(&[u8], &[u8])], xs: &[&[f32]], out: &mut [f32]) {
+    assert!(rows.len() <= TILE_ROWS);
+    let mut tile = [GroupRow::new(format, (&[], &[])); TILE_ROWS];
+    for (slot, &row) in tile.iter_mut().zip(rows) {
+        *slot = GroupRow::new(format, row);
     }
+    let rows = &tile[..rows.len()];
+    assert!(rows.iter().all(|r| r.groups() == rows[0].groups()));
+    let stride = xs.len();
+    for_blocks_of_four!(xs, |block, t| tile_dots(rows, block, (&mut out[t..], stride)));
 }
