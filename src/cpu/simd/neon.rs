@@ -346,7 +346,7 @@ fn row_dots<const T: usize>(row: GroupRow, xs: [&[f32]; T]) -> [f32; T] {
 }
 
 /// Groups a tile works through before moving to the next row: the inputs' slices of a block
-/// (16 KiB for four inputs) stay in L1 while every row of the tile reads them.
+/// (32 KiB for eight inputs) stay in L1 while every row of the tile reads them.
 const TILE_GROUPS: usize = 32;
 
 /// Each of `rows` (at most `TILE_ROWS`) times `T` inputs, block of groups by block of groups:
@@ -381,7 +381,9 @@ pub fn dot_row_each(format: GroupFormat, bytes: &[u8], scales: &[u8], xs: &[&[f3
 }
 
 /// Rows (bytes, scale bytes; at most `TILE_ROWS`, all as long) of `format` times every input:
-/// `out[r * xs.len() + t]`, four inputs at a time.
+/// `out[r * xs.len() + t]`, eight inputs at a time (eight decoded weight vectors, eight totals
+/// and one input's two sums in registers; as the AVX2 tile, where eight measured 16% faster than
+/// four).
 pub fn rows_tile(format: GroupFormat, rows: &[(&[u8], &[u8])], xs: &[&[f32]], out: &mut [f32]) {
     assert!(rows.len() <= TILE_ROWS);
     let mut tile = [GroupRow::new(format, (&[], &[])); TILE_ROWS];
@@ -391,5 +393,5 @@ pub fn rows_tile(format: GroupFormat, rows: &[(&[u8], &[u8])], xs: &[&[f32]], ou
     let rows = &tile[..rows.len()];
     assert!(rows.iter().all(|r| r.groups() == rows[0].groups()));
     let stride = xs.len();
-    for_blocks_of_four!(xs, |block, t| tile_dots(rows, block, (&mut out[t..], stride)));
+    for_blocks_of_eight!(xs, |block, t| tile_dots(rows, block, (&mut out[t..], stride)));
 }
