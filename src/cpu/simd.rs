@@ -890,8 +890,7 @@ mod x86 {
                 acc[0] = _mm256_fmadd_ps(w, xv, acc[0]);
                 i += 8;
             }
-            let total =
-                _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            let total = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
             *dot = sum8(total);
             for (k, xk) in x.iter().enumerate().skip(i) {
                 *dot += decode_at(format, row, k) * xk;

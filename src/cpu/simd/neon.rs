@@ -5,8 +5,8 @@
 
 use std::arch::aarch64::*;
 
-use crate::cpu::formats::{e8m0_scale, f16_to_f32};
 use super::TILE_ROWS;
+use crate::cpu::formats::{e8m0_scale, f16_to_f32};
 use crate::cpu::matmul::decode_at;
 use crate::weights::FloatFormat;
 
@@ -116,13 +116,23 @@ fn float_finish<const T: usize>(
 fn dot_floats_tokens<const T: usize>(format: FloatFormat, row: &[u8], xs: [&[f32]; T]) -> [f32; T] {
     // Safety: NEON is part of the aarch64 target.
     let mut sums = [[unsafe { vdupq_n_f32(0.0) }; 4]; T];
-    float_steps(format, row, xs, 0..row.len() / format.size() / 16, &mut sums);
+    float_steps(
+        format,
+        row,
+        xs,
+        0..row.len() / format.size() / 16,
+        &mut sums,
+    );
     float_finish(format, row, xs, sums)
 }
 
 /// `row . x` for a row of bf16, f16 or f32 values.
 pub fn dot_floats(format: FloatFormat, row: &[u8], x: &[f32]) -> f32 {
-    assert_eq!(row.len(), format.size() * x.len(), "row and input of one length");
+    assert_eq!(
+        row.len(),
+        format.size() * x.len(),
+        "row and input of one length"
+    );
     dot_floats_tokens(format, row, [x])[0]
 }
 
@@ -352,7 +362,11 @@ const TILE_GROUPS: usize = 32;
 /// Each of `rows` (at most `TILE_ROWS`) times `T` inputs, block of groups by block of groups:
 /// `out[r * stride + t]`. Bit-identical to `row_dots`.
 #[inline(always)]
-fn tile_dots<const T: usize>(rows: &[GroupRow], xs: [&[f32]; T], (out, stride): (&mut [f32], usize)) {
+fn tile_dots<const T: usize>(
+    rows: &[GroupRow],
+    xs: [&[f32]; T],
+    (out, stride): (&mut [f32], usize),
+) {
     assert!(rows.len() <= TILE_ROWS);
     // Safety: NEON is part of the aarch64 target.
     let mut totals = [[unsafe { vdupq_n_f32(0.0) }; T]; TILE_ROWS];
@@ -375,7 +389,13 @@ pub fn dot_row(format: GroupFormat, bytes: &[u8], scales: &[u8], x: &[f32]) -> f
 }
 
 /// `out[t] = row . xs[t]`, four inputs at a time.
-pub fn dot_row_each(format: GroupFormat, bytes: &[u8], scales: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+pub fn dot_row_each(
+    format: GroupFormat,
+    bytes: &[u8],
+    scales: &[u8],
+    xs: &[&[f32]],
+    out: &mut [f32],
+) {
     let row = GroupRow::new(format, (bytes, scales));
     in_blocks_of_four!(xs, out, |block| row_dots(row, block));
 }
@@ -393,5 +413,9 @@ pub fn rows_tile(format: GroupFormat, rows: &[(&[u8], &[u8])], xs: &[&[f32]], ou
     let rows = &tile[..rows.len()];
     assert!(rows.iter().all(|r| r.groups() == rows[0].groups()));
     let stride = xs.len();
-    for_blocks_of_eight!(xs, |block, t| tile_dots(rows, block, (&mut out[t..], stride)));
+    for_blocks_of_eight!(xs, |block, t| tile_dots(
+        rows,
+        block,
+        (&mut out[t..], stride)
+    ));
 }
