@@ -308,9 +308,9 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx512 => mxfp4_dot_per_run(),
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx2 => avx2_packed_dot::<AVX2_MXFP4>(),
+        CpuKernels::Avx2 => avx2_packed_dot::<PACKED_MXFP4>(),
         #[cfg(target_arch = "aarch64")]
-        CpuKernels::Neon => neon_packed_dot::<NEON_MXFP4>(),
+        CpuKernels::Neon => neon_packed_dot::<PACKED_MXFP4>(),
         _ => PackedDot::one_at_a_time(
             InputOrder::Natural,
             crate::cpu::matmul::dot_mxfp4_scalar,
@@ -329,61 +329,95 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
     }
 }
 
-/// The packed formats as const parameters of `neon_packed_dot` (see `avx2_packed_dot`).
-#[cfg(target_arch = "aarch64")]
-const NEON_MXFP4: u8 = 0;
-#[cfg(target_arch = "aarch64")]
-const NEON_INT4: u8 = 1;
+/// A row format of groups of 32 weights with a scale each, as the AVX2 and NEON group kernels
+/// read it.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+#[derive(Clone, Copy)]
+enum GroupFormat {
+    /// MXFP4: E2M1 codes, 16 bytes and one E8M0 scale byte per group, inputs in
+    /// `InputOrder::GroupHalves`.
+    Mxfp4,
+    /// Group-scaled INT4: nibble - 8, 16 bytes and a little-endian f16 scale per group, inputs
+    /// in `InputOrder::GroupHalves`.
+    Int4,
+    /// q8: 32 signed bytes and a little-endian f16 scale per group, inputs as given.
+    Q8,
+}
+
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+impl GroupFormat {
+    fn bytes_per_group(self) -> usize {
+        match self {
+            GroupFormat::Q8 => 32,
+            _ => 16,
+        }
+    }
+
+    fn scale_bytes(self) -> usize {
+        match self {
+            GroupFormat::Mxfp4 => 1,
+            _ => 2,
+        }
+    }
+
+    /// The weights by 4-bit code as small integers (twice the E2M1 values for MXFP4: the halving
+    /// goes into the scale, exactly); unused for q8.
+    fn small_integers(self) -> [i8; 16] {
+        match self {
+            GroupFormat::Mxfp4 => [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12],
+            _ => [-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7],
+        }
+    }
+}
+
+/// The packed formats as const parameters of `avx2_packed_dot` and `neon_packed_dot` (kernels
+/// are plain function pointers, which cannot capture a format).
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+const PACKED_MXFP4: u8 = 0;
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+const PACKED_INT4: u8 = 1;
+
+/// The group format a packed-format parameter names.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+const fn packed_format<const FORMAT: u8>() -> GroupFormat {
+    match FORMAT {
+        PACKED_MXFP4 => GroupFormat::Mxfp4,
+        _ => GroupFormat::Int4,
+    }
+}
 
 /// The NEON kernels of a packed format: each group decoded once for up to eight inputs (tiles)
 /// or four (one row).
 #[cfg(target_arch = "aarch64")]
 fn neon_packed_dot<const FORMAT: u8>() -> PackedDot {
-    const fn format<const FORMAT: u8>() -> neon::GroupFormat {
-        match FORMAT {
-            NEON_MXFP4 => neon::GroupFormat::Mxfp4,
-            _ => neon::GroupFormat::Int4,
-        }
-    }
     PackedDot {
         input_order: InputOrder::GroupHalves,
-        dot: |packed, scales, x| neon::dot_row(format::<FORMAT>(), packed, scales, x),
+        dot: |packed, scales, x| neon::dot_row(packed_format::<FORMAT>(), packed, scales, x),
         dot_each: |packed, scales, xs, out| {
-            neon::dot_row_each(format::<FORMAT>(), packed, scales, xs, out)
+            neon::dot_row_each(packed_format::<FORMAT>(), packed, scales, xs, out)
         },
-        tile: |rows, xs, out| neon::rows_tile(format::<FORMAT>(), rows, xs, out),
+        tile: |rows, xs, out| neon::rows_tile(packed_format::<FORMAT>(), rows, xs, out),
         rows: |runs, x, outs| rows_with(neon_packed_dot::<FORMAT>().dot, runs, x, outs),
     }
 }
-
-/// The packed formats as const parameters of `avx2_packed_dot` (kernels are plain function
-/// pointers, which cannot capture a format).
-#[cfg(target_arch = "x86_64")]
-const AVX2_MXFP4: u8 = 0;
-#[cfg(target_arch = "x86_64")]
-const AVX2_INT4: u8 = 1;
 
 /// The AVX2 kernels of a packed format: each group decoded once for up to eight inputs (tiles)
 /// or four (one row).
 #[cfg(target_arch = "x86_64")]
 fn avx2_packed_dot<const FORMAT: u8>() -> PackedDot {
-    const fn format<const FORMAT: u8>() -> x86::PackedFormat {
-        match FORMAT {
-            AVX2_MXFP4 => x86::PackedFormat::Mxfp4,
-            _ => x86::PackedFormat::Int4,
-        }
-    }
     assert!(detect() >= CpuKernels::Avx2);
     PackedDot {
         input_order: InputOrder::GroupHalves,
         // Safety (all): AVX2, FMA and F16C were detected (asserted above).
         dot: |packed, scales, x| unsafe {
-            x86::dot_packed_row(format::<FORMAT>(), packed, scales, x)
+            x86::dot_packed_row(packed_format::<FORMAT>(), packed, scales, x)
         },
         dot_each: |packed, scales, xs, out| unsafe {
-            x86::dot_packed_each(format::<FORMAT>(), packed, scales, xs, out)
+            x86::dot_packed_each(packed_format::<FORMAT>(), packed, scales, xs, out)
         },
-        tile: |rows, xs, out| unsafe { x86::packed_rows_tile(format::<FORMAT>(), rows, xs, out) },
+        tile: |rows, xs, out| unsafe {
+            x86::packed_rows_tile(packed_format::<FORMAT>(), rows, xs, out)
+        },
         rows: |runs, x, outs| rows_with(avx2_packed_dot::<FORMAT>().dot, runs, x, outs),
     }
 }
@@ -391,7 +425,7 @@ fn avx2_packed_dot<const FORMAT: u8>() -> PackedDot {
 /// The AVX-512 MXFP4 kernel that scales each run's sums (no VBMI needed).
 #[cfg(target_arch = "x86_64")]
 fn mxfp4_dot_per_run() -> PackedDot {
-    const MXFP4: x86::PackedFormat = x86::PackedFormat::Mxfp4;
+    const MXFP4: x86_512::PackedFormat = x86_512::PackedFormat::Mxfp4;
     assert!(detect() >= CpuKernels::Avx512);
     PackedDot {
         input_order: InputOrder::NibbleRuns,
@@ -415,7 +449,7 @@ fn has_vbmi() -> bool {
 /// The group-scaled INT4 row kernel of `kernels` (the scalar reference where the CPU lacks them).
 pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
     #[cfg(target_arch = "x86_64")]
-    const INT4: x86::PackedFormat = x86::PackedFormat::Int4;
+    const INT4: x86_512::PackedFormat = x86_512::PackedFormat::Int4;
     match kernels.min(detect()) {
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx512 => PackedDot {
@@ -429,9 +463,9 @@ pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
             rows: |runs, x, outs| rows_with(int4_dot(CpuKernels::Avx512).dot, runs, x, outs),
         },
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx2 => avx2_packed_dot::<AVX2_INT4>(),
+        CpuKernels::Avx2 => avx2_packed_dot::<PACKED_INT4>(),
         #[cfg(target_arch = "aarch64")]
-        CpuKernels::Neon => neon_packed_dot::<NEON_INT4>(),
+        CpuKernels::Neon => neon_packed_dot::<PACKED_INT4>(),
         _ => PackedDot::one_at_a_time(
             InputOrder::Natural,
             crate::cpu::matmul::dot_int4_scalar,
@@ -468,9 +502,9 @@ pub fn q8_dot_each(kernels: CpuKernels) -> Q8DotEach {
             unsafe { x86::dot_q8_each(values, scales, xs, out) }
         },
         #[cfg(target_arch = "aarch64")]
-        CpuKernels::Neon => |values, scales, xs, out| {
-            neon::dot_row_each(neon::GroupFormat::Q8, values, scales, xs, out)
-        },
+        CpuKernels::Neon => {
+            |values, scales, xs, out| neon::dot_row_each(GroupFormat::Q8, values, scales, xs, out)
+        }
         _ => |values, scales, xs, out| {
             for (o, x) in out.iter_mut().zip(xs) {
                 *o = crate::cpu::q8::dot_q8_scalar(values, scales, x);
@@ -494,7 +528,7 @@ pub fn q8_tile(kernels: CpuKernels) -> PackedTile {
             unsafe { x86::q8_tile(rows, xs, out) }
         },
         #[cfg(target_arch = "aarch64")]
-        CpuKernels::Neon => |rows, xs, out| neon::rows_tile(neon::GroupFormat::Q8, rows, xs, out),
+        CpuKernels::Neon => |rows, xs, out| neon::rows_tile(GroupFormat::Q8, rows, xs, out),
         _ => |rows, xs, out| tile_with(q8_dot_each(CpuKernels::Scalar), rows, xs, out),
     }
 }
@@ -716,7 +750,7 @@ mod neon;
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::TILE_ROWS;
+    use super::{GroupFormat, TILE_ROWS};
     use crate::cpu::formats::e8m0_scale;
     use crate::cpu::matmul::decode_at;
     use crate::weights::FloatFormat;
@@ -990,64 +1024,14 @@ mod x86 {
         });
     }
 
-    /// A packed 4-bit row format (16 bytes per group of 32 weights, low nibble first).
-    #[derive(Clone, Copy)]
-    pub enum PackedFormat {
-        /// MXFP4: E2M1 weights, one E8M0 scale byte per group.
-        Mxfp4,
-        /// Group-scaled INT4: nibble - 8, one little-endian f16 scale per group.
-        Int4,
-    }
-
-    impl PackedFormat {
-        /// The weights by 4-bit code as small integers (twice the E2M1 values for MXFP4: the
-        /// halving goes into the scale, exactly).
-        #[target_feature(enable = "avx2")]
-        fn small_integers(self) -> __m128i {
-            match self {
-                PackedFormat::Mxfp4 => {
-                    _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
-                }
-                PackedFormat::Int4 => {
-                    _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
-                }
-            }
-        }
-    }
-
-    /// A row format of groups of 32 weights with a scale each, as the AVX2 kernels read it.
-    #[derive(Clone, Copy)]
-    enum GroupFormat {
-        /// 4-bit codes, 16 bytes per group, inputs in `InputOrder::GroupHalves`.
-        Packed(PackedFormat),
-        /// q8: 32 signed bytes per group and a little-endian f16 scale, inputs as given.
-        Q8,
-    }
-
-    impl GroupFormat {
-        fn bytes_per_group(self) -> usize {
-            match self {
-                GroupFormat::Packed(_) => 16,
-                GroupFormat::Q8 => 32,
-            }
-        }
-
-        fn scale_bytes(self) -> usize {
-            match self {
-                GroupFormat::Packed(PackedFormat::Mxfp4) => 1,
-                _ => 2,
-            }
-        }
-
-        /// What group `g`'s weights (as `group_weights` gives them) are multiplied by.
-        #[target_feature(enable = "avx2,f16c")]
-        fn group_scale(self, scales: &[u8], g: usize) -> f32 {
-            match self {
-                GroupFormat::Packed(PackedFormat::Mxfp4) => 0.5 * e8m0_scale(scales[g]),
-                _ => {
-                    let bits = u16::from_le_bytes([scales[2 * g], scales[2 * g + 1]]);
-                    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-                }
+    /// What group `g`'s weights (as `group_weights` gives them) are multiplied by.
+    #[target_feature(enable = "avx2,f16c")]
+    fn group_scale(format: GroupFormat, scales: &[u8], g: usize) -> f32 {
+        match format {
+            GroupFormat::Mxfp4 => 0.5 * e8m0_scale(scales[g]),
+            _ => {
+                let bits = u16::from_le_bytes([scales[2 * g], scales[2 * g + 1]]);
+                _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
             }
         }
     }
@@ -1070,7 +1054,7 @@ mod x86 {
     unsafe fn group_weights(row: GroupRow, g: usize) -> [__m256; 4] {
         let at = row.format.bytes_per_group() * g;
         match row.format {
-            GroupFormat::Packed(_) => {
+            GroupFormat::Mxfp4 | GroupFormat::Int4 => {
                 let low = _mm_set1_epi8(0x0F);
                 // Safety: the caller's guarantee.
                 let bytes = unsafe { _mm_loadu_si128(row.bytes.as_ptr().add(at).cast()) };
@@ -1111,10 +1095,9 @@ mod x86 {
                     && scales.len() >= groups * format.scale_bytes(),
                 "a row holds whole groups of 32 weights and a scale per group"
             );
-            let small_integers = match format {
-                GroupFormat::Packed(packed) => packed.small_integers(),
-                GroupFormat::Q8 => _mm_setzero_si128(),
-            };
+            let table = format.small_integers();
+            // Safety: 16 bytes from a 16-byte array.
+            let small_integers = unsafe { _mm_loadu_si128(table.as_ptr().cast()) };
             GroupRow {
                 format,
                 small_integers,
@@ -1155,7 +1138,7 @@ mod x86 {
             }
             // Safety: group g exists (asserted above).
             let w = unsafe { group_weights(row, g) };
-            let scale = _mm256_set1_ps(row.format.group_scale(row.scales, g));
+            let scale = _mm256_set1_ps(group_scale(row.format, row.scales, g));
             for (total, x) in acc.iter_mut().zip(&xs) {
                 // Safety: the group's 32 inputs are in bounds (asserted above).
                 let sum = unsafe {
@@ -1258,12 +1241,12 @@ mod x86 {
     /// format's scale per 32 values of `x` (in `InputOrder::GroupHalves`).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_packed_row(
-        format: PackedFormat,
+        format: GroupFormat,
         packed: &[u8],
         scales: &[u8],
         x: &[f32],
     ) -> f32 {
-        let row = GroupRow::new(GroupFormat::Packed(format), (packed, scales));
+        let row = GroupRow::new(format, (packed, scales));
         // Safety: the caller's guarantees.
         unsafe { row_dots(row, [x])[0] }
     }
@@ -1272,13 +1255,13 @@ mod x86 {
     /// As `dot_packed_row`, for every input.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_packed_each(
-        format: PackedFormat,
+        format: GroupFormat,
         packed: &[u8],
         scales: &[u8],
         xs: &[&[f32]],
         out: &mut [f32],
     ) {
-        let row = GroupRow::new(GroupFormat::Packed(format), (packed, scales));
+        let row = GroupRow::new(format, (packed, scales));
         // Safety: the caller's guarantees.
         unsafe { row_dots_each(row, xs, out) }
     }
@@ -1287,13 +1270,13 @@ mod x86 {
     /// As `dot_packed_row`, for every row and input.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn packed_rows_tile(
-        format: PackedFormat,
+        format: GroupFormat,
         rows: &[(&[u8], &[u8])],
         xs: &[&[f32]],
         out: &mut [f32],
     ) {
         // Safety: the caller's guarantees.
-        unsafe { rows_tile(GroupFormat::Packed(format), rows, xs, out) }
+        unsafe { rows_tile(format, rows, xs, out) }
     }
 
     /// # Safety
@@ -1319,7 +1302,7 @@ mod x86 {
 mod x86_512 {
     use std::arch::x86_64::*;
 
-    use super::x86::{BF16, F16, F32, PackedFormat, format_of, prefetch_ahead};
+    use super::x86::{BF16, F16, F32, format_of, prefetch_ahead};
 
     use crate::cpu::formats::FP4_VALUES;
     use crate::cpu::matmul::decode_at;
@@ -2081,6 +2064,15 @@ mod x86_512 {
         ];
         // Safety: as in `fp4_table`.
         unsafe { _mm512_loadu_ps(CENTERED.as_ptr()) }
+    }
+
+    /// A packed 4-bit row format the per-run kernels read.
+    #[derive(Clone, Copy)]
+    pub enum PackedFormat {
+        /// MXFP4: E2M1 weights, one E8M0 scale byte per group.
+        Mxfp4,
+        /// Group-scaled INT4: nibble - 8, one little-endian f16 scale per group.
+        Int4,
     }
 
     impl PackedFormat {

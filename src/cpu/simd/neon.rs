@@ -5,7 +5,7 @@
 
 use std::arch::aarch64::*;
 
-use super::TILE_ROWS;
+use super::{GroupFormat, TILE_ROWS};
 use crate::cpu::formats::{e8m0_scale, f16_to_f32};
 use crate::cpu::matmul::decode_at;
 use crate::weights::FloatFormat;
@@ -181,49 +181,11 @@ pub fn floats_tile(format: FloatFormat, rows: &[&[u8]], xs: &[&[f32]], out: &mut
     ));
 }
 
-/// A row format of groups of 32 weights with a scale each.
-#[derive(Clone, Copy)]
-pub enum GroupFormat {
-    /// MXFP4: E2M1 codes, 16 bytes and one E8M0 scale byte per group, inputs in
-    /// `InputOrder::GroupHalves`.
-    Mxfp4,
-    /// Group-scaled INT4: nibble - 8, 16 bytes and a little-endian f16 scale per group, inputs
-    /// in `InputOrder::GroupHalves`.
-    Int4,
-    /// q8: 32 signed bytes and a little-endian f16 scale per group, inputs as given.
-    Q8,
-}
-
-impl GroupFormat {
-    fn bytes_per_group(self) -> usize {
-        match self {
-            GroupFormat::Q8 => 32,
-            _ => 16,
-        }
-    }
-
-    fn scale_bytes(self) -> usize {
-        match self {
-            GroupFormat::Mxfp4 => 1,
-            _ => 2,
-        }
-    }
-
-    /// The weights by 4-bit code as small integers (twice the E2M1 values for MXFP4: the halving
-    /// goes into the scale, exactly); unused for q8.
-    fn small_integers(self) -> [i8; 16] {
-        match self {
-            GroupFormat::Mxfp4 => [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12],
-            _ => [-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7],
-        }
-    }
-
-    /// What group `g`'s weights (as `group_weights` gives them) are multiplied by.
-    fn group_scale(self, scales: &[u8], g: usize) -> f32 {
-        match self {
-            GroupFormat::Mxfp4 => 0.5 * e8m0_scale(scales[g]),
-            _ => f16_to_f32(scales[2 * g], scales[2 * g + 1]),
-        }
+/// What group `g`'s weights (as `group_weights` gives them) are multiplied by.
+fn group_scale(format: GroupFormat, scales: &[u8], g: usize) -> f32 {
+    match format {
+        GroupFormat::Mxfp4 => 0.5 * e8m0_scale(scales[g]),
+        _ => f16_to_f32(scales[2 * g], scales[2 * g + 1]),
     }
 }
 
@@ -331,7 +293,7 @@ fn row_groups<const T: usize>(
         // of the aarch64 target.
         unsafe {
             let w = group_weights(row, g);
-            let scale = row.format.group_scale(row.scales, g);
+            let scale = group_scale(row.format, row.scales, g);
             for (total, x) in acc.iter_mut().zip(&xs) {
                 let x = x.as_ptr().add(32 * g);
                 let mut sums = [vdupq_n_f32(0.0); 2];
@@ -384,12 +346,12 @@ fn tile_dots<const T: usize>(
 }
 
 /// `row . x` for a row of `format` (bytes and scale bytes).
-pub fn dot_row(format: GroupFormat, bytes: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+pub(super) fn dot_row(format: GroupFormat, bytes: &[u8], scales: &[u8], x: &[f32]) -> f32 {
     row_dots(GroupRow::new(format, (bytes, scales)), [x])[0]
 }
 
 /// `out[t] = row . xs[t]`, four inputs at a time.
-pub fn dot_row_each(
+pub(super) fn dot_row_each(
     format: GroupFormat,
     bytes: &[u8],
     scales: &[u8],
@@ -404,7 +366,12 @@ pub fn dot_row_each(
 /// `out[r * xs.len() + t]`, eight inputs at a time (eight decoded weight vectors, eight totals
 /// and one input's two sums in registers; as the AVX2 tile, where eight measured 16% faster than
 /// four).
-pub fn rows_tile(format: GroupFormat, rows: &[(&[u8], &[u8])], xs: &[&[f32]], out: &mut [f32]) {
+pub(super) fn rows_tile(
+    format: GroupFormat,
+    rows: &[(&[u8], &[u8])],
+    xs: &[&[f32]],
+    out: &mut [f32],
+) {
     assert!(rows.len() <= TILE_ROWS);
     let mut tile = [GroupRow::new(format, (&[], &[])); TILE_ROWS];
     for (slot, &row) in tile.iter_mut().zip(rows) {
