@@ -533,6 +533,19 @@ pub fn q8_tile(kernels: CpuKernels) -> PackedTile {
     }
 }
 
+/// The length of every input of a float tile, checked: at most `TILE_ROWS` rows, each as many
+/// values of `format` as every input holds.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+fn float_tile_len(format: FloatFormat, rows: &[&[u8]], xs: &[&[f32]]) -> usize {
+    assert!(rows.len() <= TILE_ROWS);
+    let n = xs.first().map_or(0, |x| x.len());
+    assert!(
+        rows.iter().all(|r| r.len() == format.size() * n) && xs.iter().all(|x| x.len() == n),
+        "every row and input of a tile as long"
+    );
+    n
+}
+
 /// `0..len` in consecutive ranges of `size` (the last may be shorter): the blocks a cache-blocked
 /// tile works through.
 fn blocks(len: usize, size: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
@@ -990,12 +1003,7 @@ mod x86 {
         xs: [&[f32]; T],
         (out, stride): (&mut [f32], usize),
     ) {
-        assert!(rows.len() <= TILE_ROWS);
-        let n = xs.first().map_or(0, |x| x.len());
-        assert!(
-            rows.iter().all(|r| r.len() == format.size() * n) && xs.iter().all(|x| x.len() == n),
-            "every row and input of a tile as long"
-        );
+        let n = super::float_tile_len(format, rows, &xs);
         let mut sums = [[[_mm256_setzero_ps(); 4]; T]; TILE_ROWS];
         for steps in super::blocks(n / 32, 16) {
             for (row, sums) in rows.iter().zip(sums.iter_mut()) {
@@ -1512,14 +1520,8 @@ mod x86_512 {
         xs: [&[f32]; T],
         (out, stride): (&mut [f32], usize),
     ) {
-        assert!(rows.len() <= TILE_ROWS);
+        let n = super::float_tile_len(format, rows, &xs);
         let mut totals = [FloatTotals([[_mm512_setzero_ps(); 4]; T]); TILE_ROWS];
-        let size = format.size();
-        let n = xs.first().map_or(0, |x| x.len());
-        assert!(
-            rows.iter().all(|r| r.len() == size * n) && xs.iter().all(|x| x.len() == n),
-            "every row and input of a tile as long"
-        );
         let steps = n / 64;
         for block in super::blocks(steps, 8) {
             let totals = totals[..rows.len()].chunks_mut(FLOAT_ROW_BLOCK);

@@ -152,12 +152,7 @@ fn float_tile<const T: usize>(
     xs: [&[f32]; T],
     (out, stride): (&mut [f32], usize),
 ) {
-    assert!(rows.len() <= TILE_ROWS);
-    let n = xs.first().map_or(0, |x| x.len());
-    assert!(
-        rows.iter().all(|r| r.len() == format.size() * n) && xs.iter().all(|x| x.len() == n),
-        "every row and input of a tile as long"
-    );
+    let n = super::float_tile_len(format, rows, &xs);
     // Safety: NEON is part of the aarch64 target.
     let mut sums = [[[unsafe { vdupq_n_f32(0.0) }; 4]; T]; TILE_ROWS];
     for steps in super::blocks(n / 16, 16) {
