@@ -7,9 +7,10 @@
 //! - `prefill8`: eight tokens through each shape (a prompt's tokens per expert, on average, for
 //!   a 64-token prompt on GPT-OSS-20B), each row read once for all of them.
 //! - `q8`: the `--dense-format q8` versions of the dense shapes.
+//! - `mxfp4_q8_inputs_*` in `matvec` and `prefill8`: the experts with `--expert-activations q8`.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use picchio::cpu::matmul::{dense_matmul, mxfp4_matmul};
+use picchio::cpu::matmul::{dense_matmul, mxfp4_matmul, mxfp4_q8_matmul};
 use picchio::cpu::q8::{Q8Matrix, q8_matmul};
 use picchio::weights::{DenseMatrix, FloatFormat, Mxfp4Experts, TensorBytes};
 
@@ -82,6 +83,11 @@ fn kernels(c: &mut Criterion) {
             ));
             group.bench_function(BenchmarkId::new(shape, tokens), |b| {
                 b.iter(|| mxfp4_matmul(&w, 0, &x, None, &mut y))
+            });
+            // The same expert with 8-bit inputs (`--expert-activations q8`).
+            let q8_shape = shape.replace("mxfp4", "mxfp4_q8_inputs");
+            group.bench_function(BenchmarkId::new(q8_shape, tokens), |b| {
+                b.iter(|| mxfp4_q8_matmul(&w, 0, &x, None, &mut y))
             });
         }
         for (shape, rows, cols) in DENSE_SHAPES {

@@ -35,6 +35,8 @@ pub struct BenchOptions {
     pub roofline: bool,
     /// How the CPU tier holds dense weights in every run.
     pub dense_format: crate::cpu::q8::DenseFormat,
+    /// How the CPU tier multiplies MXFP4 experts with their inputs in every run.
+    pub expert_activations: crate::cpu::q8_activations::ExpertActivations,
     /// Where the weights live in every run.
     pub mmap: crate::model::MmapMode,
 }
@@ -85,6 +87,8 @@ pub struct BenchRun {
     pub cpu_kernels: String,
     /// checkpoint (exact) or q8.
     pub dense_format: String,
+    /// exact or q8 (MXFP4 experts' inputs on the CPU tier).
+    pub expert_activations: String,
     /// Whether the weights a token reads were copied into memory (else mapped).
     pub weights_in_memory: bool,
     /// Seconds spent faulting in the mapped weights before timing (experts included when they
@@ -223,6 +227,7 @@ pub fn run_bench(
                 ram_budget: budget,
                 direct_io: options.direct_io,
                 dense_format: options.dense_format,
+                expert_activations: options.expert_activations,
                 mmap: options.mmap,
                 prefetch: crate::model::PrefetchOptions {
                     enabled: prefetch,
@@ -326,6 +331,7 @@ pub fn run_bench(
             threads: rayon::current_num_threads(),
             cpu_kernels: crate::cpu::simd::kernels().name().to_string(),
             dense_format: options.dense_format.name().to_string(),
+            expert_activations: options.expert_activations.name().to_string(),
             weights_in_memory: model.weights_in_memory,
             warmup_s,
             bytes_per_token,

@@ -87,6 +87,10 @@ struct ModelArgs {
     /// weight with a scale per 32: faster decode, not exact; CPU tier only).
     #[arg(long, default_value = "checkpoint", value_name = "checkpoint|q8")]
     dense_format: picchio::cpu::q8::DenseFormat,
+    /// How the CPU tier multiplies MXFP4 experts with their inputs: exact (f32) or q8 (inputs
+    /// rounded to 8 bits per 32 values: faster, not exact; CPU tier only).
+    #[arg(long, default_value = "exact", value_name = "exact|q8")]
+    expert_activations: picchio::cpu::q8_activations::ExpertActivations,
     /// Where the weights a token reads live: auto (copied into memory, on huge pages, when every
     /// expert fits the RAM budget and the memory; else mapped), on (mapped from the checkpoint),
     /// off (always copied).
@@ -112,6 +116,7 @@ impl ModelArgs {
                 proxy: self.prefetch_proxy,
             },
             dense_format: self.dense_format,
+            expert_activations: self.expert_activations,
             mmap: self.mmap,
             ..Default::default()
         };
@@ -388,6 +393,9 @@ enum Command {
         /// How the CPU tier holds the dense weights in every run: checkpoint (exact) or q8.
         #[arg(long, default_value = "checkpoint", value_name = "checkpoint|q8")]
         dense_format: picchio::cpu::q8::DenseFormat,
+        /// How the CPU tier multiplies MXFP4 experts with their inputs in every run: exact or q8.
+        #[arg(long, default_value = "exact", value_name = "exact|q8")]
+        expert_activations: picchio::cpu::q8_activations::ExpertActivations,
         /// Where the weights live in every run: auto, on (mapped) or off (copied into memory).
         #[arg(long, default_value = "auto", value_name = "auto|on|off")]
         mmap: picchio::model::MmapMode,
@@ -611,6 +619,7 @@ fn run(cli: Cli) -> Result<()> {
             seed,
             roofline,
             dense_format,
+            expert_activations,
             mmap,
             json,
             csv,
@@ -630,6 +639,7 @@ fn run(cli: Cli) -> Result<()> {
                 seed,
                 roofline,
                 dense_format,
+                expert_activations,
                 mmap,
             };
             bench(&options, json, csv, plot)
@@ -727,8 +737,14 @@ fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Command::Agree { prompt, json } => {
-            if prompt.model.dense_format == picchio::cpu::q8::DenseFormat::Checkpoint {
-                bail!("agree compares a faster mode with the exact path: pass --dense-format q8");
+            if prompt.model.dense_format == picchio::cpu::q8::DenseFormat::Checkpoint
+                && prompt.model.expert_activations
+                    == picchio::cpu::q8_activations::ExpertActivations::Exact
+            {
+                bail!(
+                    "agree compares a faster mode with the exact path: pass --dense-format q8, \
+                     --expert-activations q8 or both"
+                );
             }
             let other = prompt.load()?;
             let exact = Model::load_with(

@@ -90,6 +90,7 @@ fn bench_sweeps_budgets_and_writes_csv_and_plot() {
         seed: 3,
         roofline: false,
         dense_format: Default::default(),
+        expert_activations: Default::default(),
         mmap: Default::default(),
     };
     let mut calls = 0;

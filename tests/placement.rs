@@ -198,6 +198,7 @@ fn bench_sweeps_vram_budgets() {
         seed: 3,
         roofline: false,
         dense_format: Default::default(),
+        expert_activations: Default::default(),
         mmap: Default::default(),
     };
     let runs = run_bench(&options, &mut |_, _| {}).unwrap();

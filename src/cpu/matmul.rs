@@ -159,7 +159,11 @@ pub fn dot_int4_scalar(qweight: &[u8], scales: &[u8], x: &[f32]) -> f32 {
 }
 
 /// Rows `rows` times every input: `out[(r - rows.start) * inputs.len() + t]`.
-pub(crate) type Tile<'a> = &'a (dyn Fn(std::ops::Range<usize>, &[&[f32]], &mut [f32]) + Sync);
+pub(crate) type Tile<'a, I> = &'a (dyn Fn(std::ops::Range<usize>, &[I], &mut [f32]) + Sync);
+
+/// A `Tile` of f32 inputs (of any lifetime).
+pub(crate) type FloatInputsTile<'a> =
+    &'a (dyn Fn(std::ops::Range<usize>, &[&[f32]], &mut [f32]) + Sync);
 
 /// `out[t * rows + r] = dot(r, xs[t * cols..]) + bias[r]` for every token `t`, rows (of
 /// `row_bytes` weight bytes each) in parallel.
@@ -172,7 +176,7 @@ pub(crate) fn rows_times_tokens(
     bias: Option<&[f32]>,
     out: &mut [f32],
     dot_each: impl Fn(usize, &[&[f32]], &mut [f32]) + Sync,
-    tile: Option<Tile>,
+    tile: Option<FloatInputsTile>,
 ) {
     let tokens = xs.len() / cols;
     assert_eq!(
@@ -180,14 +184,28 @@ pub(crate) fn rows_times_tokens(
         tokens * cols,
         "input is not a whole number of rows"
     );
-    assert_eq!(out.len(), tokens * rows, "output has the wrong size");
-    if let Some(b) = bias {
-        assert_eq!(b.len(), rows, "bias has the wrong size");
-    }
     // On a cache line (each row too when `cols` is a multiple of 16): see `AlignedFloats`.
     let mut aligned = super::simd::AlignedFloats::default();
     let xs = super::simd::InputOrder::Natural.arrange(xs, cols, &mut aligned);
     let inputs: Vec<&[f32]> = xs.chunks_exact(cols).collect();
+    rows_times_inputs((rows, row_bytes), &inputs, bias, out, dot_each, tile);
+}
+
+/// `rows_times_tokens` over inputs of any kind (f32 rows, or quantized ones): `out[t * rows + r]
+/// = dot(r, inputs[t]) + bias[r]`.
+pub(crate) fn rows_times_inputs<I: Sync>(
+    (rows, row_bytes): (usize, usize),
+    inputs: &[I],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    dot_each: impl Fn(usize, &[I], &mut [f32]) + Sync,
+    tile: Option<Tile<I>>,
+) {
+    let tokens = inputs.len();
+    assert_eq!(out.len(), tokens * rows, "output has the wrong size");
+    if let Some(b) = bias {
+        assert_eq!(b.len(), rows, "bias has the wrong size");
+    }
     if tokens == 1 {
         let rows_per_task = decode_rows_per_task(rows, row_bytes);
         out.par_chunks_mut(rows_per_task)
@@ -196,7 +214,7 @@ pub(crate) fn rows_times_tokens(
             .for_each(|(chunk, ys)| {
                 for (k, y) in ys.iter_mut().enumerate() {
                     let r = chunk * rows_per_task + k;
-                    dot_each(r, &inputs, std::slice::from_mut(y));
+                    dot_each(r, inputs, std::slice::from_mut(y));
                     *y += bias.map_or(0.0, |b| b[r]);
                 }
             });
@@ -213,10 +231,10 @@ pub(crate) fn rows_times_tokens(
             let first = i * tile_rows;
             let count = ys.len() / tokens;
             match tile {
-                Some(tile) => tile(first..first + count, &inputs, ys),
+                Some(tile) => tile(first..first + count, inputs, ys),
                 None => {
                     for (r, sums) in (first..).zip(ys.chunks_exact_mut(tokens)) {
-                        dot_each(r, &inputs, sums);
+                        dot_each(r, inputs, sums);
                     }
                 }
             }
@@ -275,6 +293,37 @@ pub fn mxfp4_matmul(
     });
 }
 
+/// One expert's MXFP4 linear layer over one or more tokens with each input quantized to 8 bits
+/// per 32 values (`cpu::q8_activations`: faster, not exact).
+pub fn mxfp4_q8_matmul(
+    w: &Mxfp4Experts,
+    expert: usize,
+    xs: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) {
+    use super::q8_activations::{Q8Input, q8_kernel};
+    let kernel = q8_kernel(super::simd::kernels());
+    assert!(
+        xs.len().is_multiple_of(w.cols),
+        "input is not a whole number of rows"
+    );
+    let inputs: Vec<Q8Input> = xs.chunks_exact(w.cols).map(Q8Input::quantize).collect();
+    let shape = (w.rows, packed_row_bytes(w.cols));
+    let rows_of = |rows| w.rows_of(expert, rows);
+    if let [x] = &inputs[..] {
+        let rows_pair = |runs, outs: [&mut [f32]; 2]| (kernel.rows)(runs, x, outs);
+        in_two_streams(shape, bias, out, rows_of, rows_pair);
+        return;
+    }
+    let inputs: Vec<&Q8Input> = inputs.iter().collect();
+    let dot_each = |r: usize, inputs: &[&Q8Input], sums: &mut [f32]| {
+        let (packed, scales) = rows_of(r..r + 1);
+        (kernel.dot_each)(packed, scales, inputs, sums)
+    };
+    rows_times_inputs(shape, &inputs, bias, out, dot_each, None);
+}
+
 /// One expert's group-scaled INT4 linear layer over one or more tokens.
 pub fn int4_matmul(
     w: &Int4Experts,
@@ -308,42 +357,14 @@ fn packed_matmul<'w>(
     let mut split = super::simd::AlignedFloats::default();
     let input = kernel.input_order.arrange(xs, cols, &mut split);
     if xs.len() == cols && out.len() == rows {
-        if let Some(b) = bias {
-            assert_eq!(b.len(), rows, "bias has the wrong size");
-        }
-        // Decode: each task takes a chunk of the first half of the rows and the same chunk of
-        // the second half, and the kernel reads them side by side: two streams from memory,
-        // far apart. Measured on the synthetic 20B's experts: 20.8 GB/s with rows read in
-        // adjacent pairs, 24-25 GB/s with one stream per half.
-        let half = rows / 2;
-        let per_task = (decode_rows_per_task(rows, packed_row_bytes(cols)) / 2).max(1);
-        let (first_half, second_half) = out.split_at_mut(half);
-        let (second_half, last) = second_half.split_at_mut(half);
-        first_half
-            .par_chunks_mut(per_task)
-            .zip(second_half.par_chunks_mut(per_task))
-            .enumerate()
-            .with_max_len(1) // See `DECODE_TASK_BYTES`.
-            .for_each(|(chunk, (a, b))| {
-                let first = chunk * per_task;
-                let runs = [
-                    rows_of(first..first + a.len()),
-                    rows_of(half + first..half + first + b.len()),
-                ];
-                (kernel.rows)(runs, input, [&mut *a, &mut *b]);
-                // Here, while the sums are in this core's cache: added afterwards by one thread,
-                // the biases took a tenth of the experts' decode samples (perf).
-                if let Some(bias) = bias {
-                    add_into(a, &bias[first..]);
-                    add_into(b, &bias[half + first..]);
-                }
-            });
-        // An odd row count leaves the last row without a partner.
-        let runs = [rows_of(2 * half..rows), rows_of(rows..rows)];
-        (kernel.rows)(runs, input, [&mut *last, &mut []]);
-        if let Some(bias) = bias {
-            add_into(last, &bias[2 * half..]);
-        }
+        let rows_pair = |runs, outs: [&mut [f32]; 2]| (kernel.rows)(runs, input, outs);
+        in_two_streams(
+            (rows, packed_row_bytes(cols)),
+            bias,
+            out,
+            rows_of,
+            rows_pair,
+        );
         return;
     }
     let row = |r: usize| rows_of(r..r + 1);
@@ -362,6 +383,55 @@ fn packed_matmul<'w>(
         },
         Some(&tile),
     );
+}
+
+/// Decode of a packed 4-bit matrix: `out[r] = row r . x + bias[r]`, where `rows_pair(runs,
+/// outs)` computes two runs of consecutive rows (`rows_of(range)`) side by side. Each task takes
+/// a chunk of the first half of the rows and the same chunk of the second half, and the kernel
+/// reads them side by side: two streams from memory, far apart. Measured on the synthetic 20B's
+/// experts: 20.8 GB/s with rows read in adjacent pairs, 24-25 GB/s with one stream per half.
+fn in_two_streams<'w>(
+    (rows, row_bytes): (usize, usize),
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    rows_of: impl Fn(std::ops::Range<usize>) -> (&'w [u8], &'w [u8]) + Sync,
+    rows_pair: impl Fn([super::simd::RowBytes<'w>; 2], [&mut [f32]; 2]) + Sync,
+) {
+    assert_eq!(out.len(), rows, "output has the wrong size");
+    if let Some(b) = bias {
+        assert_eq!(b.len(), rows, "bias has the wrong size");
+    }
+    let half = rows / 2;
+    let per_task = (decode_rows_per_task(rows, row_bytes) / 2).max(1);
+    let (first_half, second_half) = out.split_at_mut(half);
+    let (second_half, last) = second_half.split_at_mut(half);
+    first_half
+        .par_chunks_mut(per_task)
+        .zip(second_half.par_chunks_mut(per_task))
+        .enumerate()
+        .with_max_len(1) // See `DECODE_TASK_BYTES`.
+        .for_each(|(chunk, (a, b))| {
+            let first = chunk * per_task;
+            let runs = [
+                rows_of(first..first + a.len()),
+                rows_of(half + first..half + first + b.len()),
+            ];
+            rows_pair(runs, [&mut *a, &mut *b]);
+            // Here, while the sums are in this core's cache: added afterwards by one thread,
+            // the biases took a tenth of the experts' decode samples (perf).
+            if let Some(bias) = bias {
+                add_into(a, &bias[first..]);
+                add_into(b, &bias[half + first..]);
+            }
+        });
+    // An odd row count leaves the last row without a partner.
+    rows_pair(
+        [rows_of(2 * half..rows), rows_of(rows..rows)],
+        [&mut *last, &mut []],
+    );
+    if let Some(bias) = bias {
+        add_into(last, &bias[2 * half..]);
+    }
 }
 
 /// Unquantized expert `e` in `[in, out]` orientation: `y = x @ W[e] + bias`, summing over the
@@ -395,6 +465,24 @@ pub fn dense_expert_matmul(
                     }
                 }
             });
+    }
+}
+
+/// One expert's projection over one or more tokens with MXFP4 experts' inputs as `activations`
+/// says (the other formats are always exact).
+pub fn expert_matmul_as(
+    activations: super::q8_activations::ExpertActivations,
+    w: &ExpertMatrices,
+    expert: usize,
+    xs: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) {
+    match (w, activations) {
+        (ExpertMatrices::Mxfp4(m), super::q8_activations::ExpertActivations::Q8) => {
+            mxfp4_q8_matmul(m, expert, xs, bias, out)
+        }
+        _ => expert_matmul(w, expert, xs, bias, out),
     }
 }
 

@@ -11,5 +11,6 @@ pub mod matmul;
 pub mod moe;
 pub mod norm;
 pub mod q8;
+pub mod q8_activations;
 pub mod rope;
 pub mod simd;

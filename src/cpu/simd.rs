@@ -684,19 +684,19 @@ fn arrange_packed_input(x: &[f32], cols: usize, out: &mut AlignedFloats) {
 /// sizes `$n`), `$block` being an array of them and `$t` the index of its first.
 macro_rules! for_blocks_of {
     ($full:literal, [$($n:literal),*], $xs:expr, |$block:ident, $t:ident| $call:expr) => {{
-        let xs: &[&[f32]] = $xs;
+        let xs = &$xs[..];
         let mut $t = 0;
         while $t < xs.len() {
             match xs.len() - $t {
                 $(
                     $n => {
-                        let $block: [&[f32]; $n] = xs[$t..$t + $n].try_into().unwrap();
+                        let $block: [_; $n] = xs[$t..$t + $n].try_into().unwrap();
                         $call;
                         $t += $n;
                     }
                 )*
                 _ => {
-                    let $block: [&[f32]; $full] = xs[$t..$t + $full].try_into().unwrap();
+                    let $block: [_; $full] = xs[$t..$t + $full].try_into().unwrap();
                     $call;
                     $t += $full;
                 }
@@ -732,7 +732,7 @@ macro_rules! for_blocks_of_eight {
 /// `$out`.
 macro_rules! in_blocks {
     ($for_blocks:ident, $xs:expr, $out:expr, |$block:ident| $call:expr) => {{
-        let (xs, out): (&[&[f32]], &mut [f32]) = ($xs, $out);
+        let (xs, out): (&[_], &mut [f32]) = ($xs, $out);
         assert_eq!(xs.len(), out.len());
         $for_blocks!(xs, |$block, t| {
             let sums = $call;
@@ -758,6 +758,7 @@ macro_rules! in_blocks_of_four {
 
 #[cfg(target_arch = "aarch64")]
 mod neon;
+pub(crate) mod q8_activations;
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {

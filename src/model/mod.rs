@@ -15,7 +15,7 @@ use rayon::prelude::*;
 
 use crate::config::Config;
 use crate::cpu::attention::{HeadLayout, attend_group, first_visible_key};
-use crate::cpu::matmul::{add_into, dense_matmul, expert_matmul};
+use crate::cpu::matmul::{add_into, dense_matmul, expert_matmul_as};
 use crate::cpu::moe::{Routing, clamped_swiglu, route};
 use crate::cpu::norm::rms_norm;
 use crate::cpu::rope::RopeTable;
@@ -53,6 +53,8 @@ pub struct Model {
     /// The dense weights quantized to 8 bits (`--dense-format q8`): the CPU tier reads these
     /// instead of the checkpoint's attention projections, LM head and embeddings.
     pub q8: Option<crate::cpu::q8::Q8Weights>,
+    /// How the CPU tier multiplies MXFP4 experts with their inputs (`--expert-activations`).
+    pub expert_activations: crate::cpu::q8_activations::ExpertActivations,
     /// Whether the weights a token reads were copied into memory (`MmapMode`).
     pub weights_in_memory: bool,
     /// Per proxy (A, B): experts predicted right, and experts to predict.
@@ -145,6 +147,8 @@ pub struct ModelOptions {
     pub prefetch: PrefetchOptions,
     /// How the CPU tier holds the dense weights (exact by default).
     pub dense_format: crate::cpu::q8::DenseFormat,
+    /// How the CPU tier multiplies MXFP4 experts with their inputs (exact by default).
+    pub expert_activations: crate::cpu::q8_activations::ExpertActivations,
     /// Whether the weights stay mapped from the checkpoint or are copied into memory.
     pub mmap: MmapMode,
 }
@@ -213,6 +217,7 @@ impl Default for ModelOptions {
             direct_io: false,
             prefetch: PrefetchOptions::default(),
             dense_format: crate::cpu::q8::DenseFormat::default(),
+            expert_activations: Default::default(),
             mmap: MmapMode::default(),
         }
     }
@@ -244,6 +249,18 @@ impl Model {
                 Some(q8)
             }
         };
+        if options.expert_activations == crate::cpu::q8_activations::ExpertActivations::Q8 {
+            match weights.layers.first().map(|l| &l.gate_up) {
+                Some(crate::weights::ExpertMatrices::Mxfp4(_)) => log::info!(
+                    "MXFP4 experts' inputs rounded to 8 bits per 32 values on the CPU tier \
+                     (--expert-activations q8): faster, not exact"
+                ),
+                _ => log::warn!(
+                    "--expert-activations q8 applies to MXFP4 experts; this checkpoint's \
+                     experts are not MXFP4 and stay exact"
+                ),
+            }
+        }
         let mut ram_budget = options.ram_budget;
         let weights_in_memory = copies_weights(options, &weights);
         if weights_in_memory {
@@ -284,6 +301,7 @@ impl Model {
             timings: CpuTimings::default(),
             prefetch: options.prefetch,
             q8,
+            expert_activations: options.expert_activations,
             weights_in_memory,
             prediction: Default::default(),
         })
@@ -757,12 +775,15 @@ impl Model {
         let m = xs.len() / h;
         let mut gate_up = vec![0f32; m * 2 * i];
         let gate_up_bias = &layer.gate_up_bias[e * 2 * i..(e + 1) * 2 * i];
-        expert_matmul(&expert.gate_up, 0, xs, Some(gate_up_bias), &mut gate_up);
+        let product = |m, xs: &[f32], bias, out: &mut [f32]| {
+            expert_matmul_as(self.expert_activations, m, 0, xs, Some(bias), out)
+        };
+        product(&expert.gate_up, xs, gate_up_bias, &mut gate_up);
         let mut activated = vec![0f32; m * i];
         clamped_swiglu(&gate_up, cfg.swiglu_alpha, cfg.swiglu_limit, &mut activated);
         let mut down = vec![0f32; m * h];
         let down_bias = &layer.down_bias[e * h..(e + 1) * h];
-        expert_matmul(&expert.down, 0, &activated, Some(down_bias), &mut down);
+        product(&expert.down, &activated, down_bias, &mut down);
         down
     }
 }
