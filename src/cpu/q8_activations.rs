@@ -132,6 +132,7 @@ impl Q8Input {
     }
 
     /// The values, lane scales and lane offsets, for kernels that index them run by run.
+    #[cfg(target_arch = "x86_64")]
     pub(crate) fn pointers(&self) -> (*const i8, *const f32, *const i32) {
         (
             self.values.as_ptr(),
