@@ -394,6 +394,18 @@ fn speed_options_out_of_range_are_clear_errors() {
     rejects(
         &dir,
         "1,2,3",
+        &["--expert-activations", "q8", "--backend", "gpu"],
+        &["--expert-activations q8 runs on the CPU tier only"],
+    );
+    rejects(
+        &dir,
+        "1,2,3",
+        &["--expert-activations", "int4"],
+        &["expected exact"],
+    );
+    rejects(
+        &dir,
+        "1,2,3",
         &["--dense-format", "q4"],
         &["expected checkpoint"],
     );

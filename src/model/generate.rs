@@ -242,14 +242,13 @@ pub fn open_session<'a>(
     if choice == BackendChoice::Cpu {
         return Ok(FallbackSession::cpu(model, context));
     }
-    if model.q8.is_some() {
-        // q8 dense weights are the CPU tier's own numeric mode.
+    if let Some(mode) = model.cpu_only_mode() {
         if choice == BackendChoice::Gpu {
-            return Err(crate::error::Error::InvalidArgument(
-                "--dense-format q8 runs on the CPU tier only (use --backend cpu or auto)".into(),
-            ));
+            return Err(crate::error::Error::InvalidArgument(format!(
+                "{mode} runs on the CPU tier only (use --backend cpu or auto)"
+            )));
         }
-        log::info!("running on the CPU tier (q8 dense weights are CPU-only)");
+        log::info!("running on the CPU tier ({mode} is CPU-only)");
         return Ok(FallbackSession::cpu(model, context));
     }
     let gpu = crate::gpu::GpuContext::new(&crate::gpu::GpuOptions::from_env())

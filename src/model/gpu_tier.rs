@@ -365,6 +365,11 @@ impl<'m> GpuModel<'m> {
     /// Uploads the dense weights, then the experts: all of them, or a VRAM cache of as many as
     /// the budget allows. Fails (without panicking) when the dense weights do not fit.
     pub fn new(ctx: GpuContext, model: &'m Model, options: GpuTierOptions) -> Result<GpuModel<'m>> {
+        if let Some(mode) = model.cpu_only_mode() {
+            return Err(crate::error::Error::InvalidArgument(format!(
+                "{mode} runs on the CPU tier only"
+            )));
+        }
         let device = ctx.device.clone();
         let mut gpu = catching_oom(&device, "the dense weights", || {
             Self::build(ctx, model, options)

@@ -307,6 +307,19 @@ impl Model {
         })
     }
 
+    /// The CPU tier's own faster numeric mode this model was loaded with, if any, as its flag.
+    /// The GPU tier computes exactly, so a model in such a mode runs on the CPU tier only:
+    /// otherwise which experts sit in VRAM would change the tokens.
+    pub fn cpu_only_mode(&self) -> Option<&'static str> {
+        if self.q8.is_some() {
+            Some("--dense-format q8")
+        } else if self.expert_activations == crate::cpu::q8_activations::ExpertActivations::Q8 {
+            Some("--expert-activations q8")
+        } else {
+            None
+        }
+    }
+
     /// Faults in the mapped dense weights, and the experts when they all fit the RAM budget
     /// (`ExpertStore::warm_up`), so that timing starts with the model in memory.
     pub fn warm_up(&self) {
