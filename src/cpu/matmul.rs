@@ -522,6 +522,51 @@ mod tests {
     }
 
     #[test]
+    fn q8_activation_matmul_is_each_rows_dot_plus_bias_in_decode_and_prefill() {
+        use crate::cpu::q8_activations::{Q8Input, q8_kernel};
+        // An odd row count (the decode's two streams leave one row over) and three groups per
+        // row (one partial run).
+        let (experts, rows, cols) = (2, 37, 96);
+        let blocks: Vec<u8> = (0..experts * rows * cols / 2)
+            .map(|i| (i * 73 + 11) as u8)
+            .collect();
+        let scales: Vec<u8> = (0..experts * rows * cols / 32)
+            .map(|i| 118 + (i % 7) as u8)
+            .collect();
+        let mx = Mxfp4Experts::contiguous(
+            experts,
+            (rows, cols),
+            crate::weights::TensorBytes::from_vec(blocks),
+            crate::weights::TensorBytes::from_vec(scales),
+        );
+        let tokens = 5;
+        let xs: Vec<f32> = (0..tokens * cols)
+            .map(|i| ((i as f32) * 0.37).sin())
+            .collect();
+        let bias: Vec<f32> = (0..rows).map(|r| r as f32 * 0.03 - 0.5).collect();
+        let kernel = q8_kernel(crate::cpu::simd::kernels());
+        let e = 1;
+        let mut prefill = vec![0f32; tokens * rows];
+        mxfp4_q8_matmul(&mx, e, &xs, Some(&bias), &mut prefill);
+        for (t, x) in xs.chunks_exact(cols).enumerate() {
+            let mut decode = vec![0f32; rows];
+            mxfp4_q8_matmul(&mx, e, x, Some(&bias), &mut decode);
+            let input = Q8Input::quantize(x);
+            for r in 0..rows {
+                let (packed, scales) = mx.row(e, r);
+                let want = (kernel.dot)(packed, scales, &input) + bias[r];
+                for (what, got) in [("decode", decode[r]), ("prefill", prefill[t * rows + r])] {
+                    assert_eq!(
+                        got.to_bits(),
+                        want.to_bits(),
+                        "{what} token {t} row {r}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
     fn unquantized_experts_match_mxfp4_experts() {
         // Two experts of [rows=40, cols=64] in MXFP4, and the same values as f32 [E, in, out].
         let (experts, rows, cols) = (2, 40, 64);
