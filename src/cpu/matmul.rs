@@ -521,24 +521,35 @@ mod tests {
         );
     }
 
+    /// `experts` MXFP4 experts of `[rows, cols]` with packed byte i = `i * step + offset` and scale
+    /// byte i = `base + i % spread`: every code, scales a few powers of two apart.
+    fn patterned_mxfp4_experts(
+        experts: usize,
+        (rows, cols): (usize, usize),
+        (step, offset): (usize, usize),
+        (base, spread): (u8, usize),
+    ) -> Mxfp4Experts {
+        let blocks: Vec<u8> = (0..experts * rows * cols / 2)
+            .map(|i| (i * step + offset) as u8)
+            .collect();
+        let scales: Vec<u8> = (0..experts * rows * cols / 32)
+            .map(|i| base + (i % spread) as u8)
+            .collect();
+        Mxfp4Experts::contiguous(
+            experts,
+            (rows, cols),
+            crate::weights::TensorBytes::from_vec(blocks),
+            crate::weights::TensorBytes::from_vec(scales),
+        )
+    }
+
     #[test]
     fn q8_activation_matmul_is_each_rows_dot_plus_bias_in_decode_and_prefill() {
         use crate::cpu::q8_activations::{Q8Input, q8_kernel};
         // An odd row count (the decode's two streams leave one row over) and three groups per
         // row (one partial run).
-        let (experts, rows, cols) = (2, 37, 96);
-        let blocks: Vec<u8> = (0..experts * rows * cols / 2)
-            .map(|i| (i * 73 + 11) as u8)
-            .collect();
-        let scales: Vec<u8> = (0..experts * rows * cols / 32)
-            .map(|i| 118 + (i % 7) as u8)
-            .collect();
-        let mx = Mxfp4Experts::contiguous(
-            experts,
-            (rows, cols),
-            crate::weights::TensorBytes::from_vec(blocks),
-            crate::weights::TensorBytes::from_vec(scales),
-        );
+        let (rows, cols) = (37, 96);
+        let mx = patterned_mxfp4_experts(2, (rows, cols), (73, 11), (118, 7));
         let tokens = 5;
         let xs: Vec<f32> = (0..tokens * cols)
             .map(|i| ((i as f32) * 0.37).sin())
@@ -570,18 +581,7 @@ mod tests {
     fn unquantized_experts_match_mxfp4_experts() {
         // Two experts of [rows=40, cols=64] in MXFP4, and the same values as f32 [E, in, out].
         let (experts, rows, cols) = (2, 40, 64);
-        let blocks: Vec<u8> = (0..experts * rows * cols / 2)
-            .map(|i| (i * 89 + 7) as u8)
-            .collect();
-        let scales: Vec<u8> = (0..experts * rows * cols / 32)
-            .map(|i| 120 + (i % 5) as u8)
-            .collect();
-        let mx = Mxfp4Experts::contiguous(
-            experts,
-            (rows, cols),
-            crate::weights::TensorBytes::from_vec(blocks),
-            crate::weights::TensorBytes::from_vec(scales),
-        );
+        let mx = patterned_mxfp4_experts(experts, (rows, cols), (89, 7), (120, 5));
         let mut transposed = vec![0f32; experts * cols * rows];
         for e in 0..experts {
             for r in 0..rows {

@@ -208,22 +208,8 @@ pub fn q8_kernel(kernels: CpuKernels) -> Q8Kernel {
                 *y = dot_mxfp4_q8_scalar(packed, scales, x);
             }
         },
-        rows: |runs, x, outs| rows_with(dot_mxfp4_q8_scalar, runs, x, outs),
+        rows: |runs, x, outs| super::simd::rows_with(dot_mxfp4_q8_scalar, runs, x, outs),
     })
-}
-
-/// A `Q8Rows` of `dot` row by row.
-pub(crate) fn rows_with(dot: Q8Dot, runs: [RowBytes; 2], x: &Q8Input, outs: [&mut [f32]; 2]) {
-    for ((packed, scales), out) in runs.into_iter().zip(outs) {
-        let (row_bytes, row_scales) = (16 * x.groups, x.groups);
-        for (i, y) in out.iter_mut().enumerate() {
-            *y = dot(
-                &packed[i * row_bytes..(i + 1) * row_bytes],
-                &scales[i * row_scales..(i + 1) * row_scales],
-                x,
-            );
-        }
-    }
 }
 
 #[cfg(test)]

@@ -249,11 +249,11 @@ impl PackedDot {
     }
 }
 
-/// A `PackedRows` of `dot` row by row, the first run then the second.
-fn rows_with(
-    dot: fn(&[u8], &[u8], &[f32]) -> f32,
+/// A `PackedRows` (or a `Q8Rows`) of `dot` row by row, the first run then the second.
+pub(crate) fn rows_with<X: ?Sized>(
+    dot: fn(&[u8], &[u8], &X) -> f32,
     runs: [RowBytes; 2],
-    x: &[f32],
+    x: &X,
     outs: [&mut [f32]; 2],
 ) {
     for ((packed, scales), out) in runs.into_iter().zip(outs) {
