@@ -6,6 +6,8 @@
 //! - `matvec`: one token (decode) through each shape.
 //! - `prefill8`: eight tokens through each shape (a prompt's tokens per expert, on average, for
 //!   a 64-token prompt on GPT-OSS-20B), each row read once for all of them.
+//! - `prefill64`: a 64-token prompt through the dense shape (AMX tiles where the CPU has them;
+//!   `PICCHIO_CPU_AMX=off` for the AVX-512 kernel).
 //! - `q8`: the `--dense-format q8` versions of the dense shapes.
 //! - `mxfp4_q8_inputs_*` in `matvec` and `prefill8`: the experts with `--expert-activations q8`.
 
@@ -70,11 +72,24 @@ const DENSE_SHAPES: [(&str, usize, usize); 2] = [
 ];
 
 fn kernels(c: &mut Criterion) {
-    for tokens in [1usize, 8] {
-        let name = if tokens == 1 { "matvec" } else { "prefill8" };
+    for tokens in [1usize, 8, 64] {
+        let name = format!(
+            "{}{}",
+            if tokens == 1 { "matvec" } else { "prefill" },
+            match tokens {
+                1 => String::new(),
+                t => t.to_string(),
+            }
+        );
         let mut group = c.benchmark_group(name);
         group.sample_size(10);
-        for (shape, rows, cols) in EXPERT_SHAPES {
+        // Experts see a few of a prompt's tokens each; 64 tokens go through the dense layers.
+        let expert_shapes = if tokens > 8 {
+            &[][..]
+        } else {
+            &EXPERT_SHAPES[..]
+        };
+        for &(shape, rows, cols) in expert_shapes {
             let w = mxfp4_expert(rows, cols);
             let x = input(tokens * cols);
             let mut y = vec![0f32; tokens * rows];

@@ -85,6 +85,8 @@ pub struct BenchRun {
     /// Threads of the CPU tier and the kernels it ran (avx512, avx2, scalar).
     pub threads: usize,
     pub cpu_kernels: String,
+    /// Whether bf16 dense layers over several tokens (prompts) ran on AMX-BF16 tiles.
+    pub amx_tiles: bool,
     /// checkpoint (exact) or q8.
     pub dense_format: String,
     /// exact or q8 (MXFP4 experts' inputs on the CPU tier).
@@ -330,6 +332,7 @@ pub fn run_bench(
             peak_rss_bytes: peak_is_this_runs.then(peak_rss_bytes).flatten(),
             threads: rayon::current_num_threads(),
             cpu_kernels: crate::cpu::simd::kernels().name().to_string(),
+            amx_tiles: crate::cpu::simd::amx_tiles(),
             dense_format: options.dense_format.name().to_string(),
             expert_activations: options.expert_activations.name().to_string(),
             weights_in_memory: model.weights_in_memory,

@@ -1138,7 +1138,7 @@ fn bench(
     if roofline {
         println!();
         println!(
-            "{:<8} {:>7} {:>8} {:>12} {:>9} {:>10} {:>9} {:>10} {:>13}",
+            "{:<8} {:>7} {:>10} {:>12} {:>9} {:>10} {:>9} {:>10} {:>13}",
             "backend",
             "threads",
             "kernels",
@@ -1151,10 +1151,10 @@ fn bench(
         );
         for r in &runs {
             println!(
-                "{:<8} {:>7} {:>8} {:>12} {:>9.2} {:>10} {:>8.1}% {:>10.2} {:>13}",
+                "{:<8} {:>7} {:>10} {:>12} {:>9.2} {:>10} {:>8.1}% {:>10.2} {:>13}",
                 r.backend,
                 r.threads,
-                r.cpu_kernels,
+                format!("{}{}", r.cpu_kernels, if r.amx_tiles { "+amx" } else { "" }),
                 human_short(r.bytes_per_token as u64),
                 r.achieved_bytes_per_s / 1e9,
                 r.bandwidth_bytes_per_s

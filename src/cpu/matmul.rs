@@ -263,9 +263,43 @@ pub(crate) fn rows_times_inputs<I: Sync>(
 
 /// Dense linear layer over one or more tokens.
 pub fn dense_matmul(m: &DenseMatrix, xs: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    let amx = super::simd::amx::enabled();
+    #[cfg(not(target_arch = "x86_64"))]
+    let amx = false;
+    dense_matmul_using(m, xs, bias, out, amx)
+}
+
+/// `dense_matmul`, with AMX tiles for bf16 rows over several tokens where `amx` (which the
+/// caller has checked: `amx::usable()`).
+fn dense_matmul_using(
+    m: &DenseMatrix,
+    xs: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    amx: bool,
+) {
     let dot_each = super::simd::float_dot_each(super::simd::kernels());
     let float_tile = super::simd::float_tile(super::simd::kernels());
+    // Over several tokens, bf16 rows go through AMX tiles where the CPU has them.
+    #[cfg(target_arch = "x86_64")]
+    let split =
+        (amx && xs.len() > m.cols && m.format == FloatFormat::Bf16 && m.cols.is_multiple_of(32))
+            .then(|| super::simd::amx::SplitInputs::new(xs, m.cols));
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = amx;
     let tile = |rows: std::ops::Range<usize>, inputs: &[&[f32]], sums: &mut [f32]| {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(split) = &split
+            && rows.len() == super::simd::amx::ROWS
+        {
+            let width = m.cols * m.format.size();
+            let bytes = &m.data.bytes()[rows.start * width..rows.end * width];
+            // Safety: `split` exists only where `amx`, which the caller checked with
+            // `amx::usable()`.
+            unsafe { super::simd::amx::rows16(bytes, split, sums) };
+            return;
+        }
         let rows: Vec<&[u8]> = rows.map(|r| m.row(r)).collect();
         float_tile(m.format, &rows, inputs, sums)
     };
@@ -614,6 +648,109 @@ mod tests {
                     "expert {e} value {k}: {x} vs {y}"
                 );
             }
+        }
+    }
+
+    /// Random values with full significands, sizes 2^(-spread/2) to 2^(spread/2), either sign.
+    fn random_values(seed: u64, spread: i32) -> impl FnMut() -> f32 {
+        let mut state = seed;
+        move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let size = (state >> 40) as i32 % spread - spread / 2;
+            let sign = if state & 1 == 0 { 1.0 } else { -1.0 };
+            sign * (1.0 + (state >> 8 & 0x7f_ffff) as f32 / 8_388_608.0) * 2f32.powi(size)
+        }
+    }
+
+    /// Runs `matmul(xs, out)` (a `rows x cols` layer with weights `weights`) for 1, 7 and 33
+    /// tokens of random inputs (a few tiny) and checks each output within the f32 summation
+    /// bound (`cols` x 2^-24 x the sum of |products|) of the f64 product; reports how many
+    /// outputs missed it and the worst (index, error, bound).
+    fn assert_within_the_f32_summation_bound(
+        weights: &[f32],
+        (rows, cols): (usize, usize),
+        matmul: impl Fn(&[f32], &mut [f32]),
+    ) {
+        let mut value = random_values(0x2545_f491_4f6c_dd1d, 16);
+        for tokens in [1, 7, 33] {
+            let xs: Vec<f32> = (0..tokens * cols)
+                .map(|i| value() * if i % 37 == 5 { 1e-36 } else { 1.0 })
+                .collect();
+            let mut out = vec![0f32; tokens * rows];
+            matmul(&xs, &mut out);
+            let mut failures = Vec::new();
+            for (i, &got) in out.iter().enumerate() {
+                let (t, r) = (i / rows, i % rows);
+                let products =
+                    (0..cols).map(|k| weights[r * cols + k] as f64 * xs[t * cols + k] as f64);
+                let exact: f64 = products.clone().sum();
+                let bound = cols as f64 * 2f64.powi(-24) * products.map(f64::abs).sum::<f64>();
+                let error = (got as f64 - exact).abs();
+                if error > bound {
+                    failures.push((i, error, bound));
+                }
+            }
+            let worst = failures.iter().max_by(|a, b| a.1.total_cmp(&b.1));
+            assert!(
+                failures.is_empty(),
+                "{tokens} tokens: {} of {} outputs past the bound, worst (index, error, bound) {worst:?}",
+                failures.len(),
+                out.len()
+            );
+        }
+    }
+
+    /// bf16 dense rows over tokens, through the SIMD kernels and, on CPUs with AMX tiles, again
+    /// with them (the two 16-row blocks over 7 and 33 tokens; the 8 rows left take the SIMD
+    /// tile).
+    #[test]
+    fn bf16_dense_matmul_over_tokens_stays_within_the_f32_summation_bound() {
+        let (rows, cols) = (40, 96);
+        let mut value = random_values(0x9e37_79b9_7f4a_7c15, 8);
+        let weights: Vec<f32> = (0..rows * cols)
+            .map(|_| half::bf16::from_f32(value()).to_f32())
+            .collect();
+        let bytes: Vec<u8> = weights
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect();
+        let m = DenseMatrix {
+            rows,
+            cols,
+            format: FloatFormat::Bf16,
+            data: crate::weights::TensorBytes::from_vec(bytes),
+        };
+        assert_within_the_f32_summation_bound(&weights, (rows, cols), |xs, out| {
+            dense_matmul_using(&m, xs, None, out, false)
+        });
+        #[cfg(target_arch = "x86_64")]
+        if crate::cpu::simd::amx::usable() {
+            assert_within_the_f32_summation_bound(&weights, (rows, cols), |xs, out| {
+                dense_matmul_using(&m, xs, None, out, true)
+            });
+        } else {
+            // Never handed out where the tiles are missing, whatever the environment says.
+            assert!(!crate::cpu::simd::amx::enabled());
+        }
+    }
+
+    /// MXFP4 rows over tokens, every code, scales from 2^-7 to 2^0 (expert 0) and from 2^-127
+    /// (expert 1).
+    #[test]
+    fn mxfp4_matmul_over_tokens_stays_within_the_f32_summation_bound() {
+        let (rows, cols) = (40, 96);
+        for (expert, (base, spread)) in [(120u8, 8), (0, 6)].into_iter().enumerate() {
+            let w = patterned_mxfp4_experts(2, (rows, cols), (37, 11), (base, spread));
+            let mut weights = vec![0f32; rows * cols];
+            for (r, row) in weights.chunks_exact_mut(cols).enumerate() {
+                let (packed, scales) = w.rows_of(expert, r..r + 1);
+                dequantize_mxfp4_row(packed, scales, row);
+            }
+            assert_within_the_f32_summation_bound(&weights, (rows, cols), |xs, out| {
+                mxfp4_matmul(&w, expert, xs, None, out)
+            });
         }
     }
 

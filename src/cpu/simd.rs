@@ -756,6 +756,16 @@ macro_rules! in_blocks_of_four {
     };
 }
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod amx;
+
+/// Whether bf16 dense layers over several tokens run on AMX-BF16 tiles (`amx`).
+pub fn amx_tiles() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return amx::enabled();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
 #[cfg(target_arch = "aarch64")]
 mod neon;
 pub(crate) mod q8_activations;
