@@ -34,9 +34,16 @@ const STEP: usize = 32;
 pub fn enabled() -> bool {
     static ENABLED: OnceLock<bool> = OnceLock::new();
     *ENABLED.get_or_init(|| {
-        if std::env::var("PICCHIO_CPU_AMX").as_deref() != Ok("on")
-            || super::kernels() != super::CpuKernels::Avx512
-        {
+        match std::env::var("PICCHIO_CPU_AMX").as_deref() {
+            Ok("on") => {}
+            Err(_) | Ok("off") => return false,
+            Ok(other) => {
+                log::warn!("PICCHIO_CPU_AMX={other:?} is not on or off: ignored (off)");
+                return false;
+            }
+        }
+        if super::kernels() != super::CpuKernels::Avx512 {
+            log::info!("PICCHIO_CPU_AMX=on: no AMX tiles below AVX-512 kernels");
             return false;
         }
         let usable = usable();
