@@ -416,6 +416,51 @@ fn terminal_chat_answers_reuses_the_conversation_and_resets() {
     assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 3);
 }
 
+/// `PICCHIO_CPU_AMX=on` makes the CPU tier log whether it uses AMX tiles (or why not). That is
+/// decided before the chat holds the standard streams: decided by a worker at the first matrix
+/// product, its log line waited on the chat's stderr lock for ever.
+#[test]
+fn terminal_chat_with_amx_asked_for_logs_the_choice_and_answers() {
+    let (_model, dir) = tiny_harmony();
+    let mut child = picchio()
+        .args([
+            "chat",
+            "--model",
+            dir.to_str().unwrap(),
+            "--max-new-tokens",
+            "3",
+        ])
+        .env("PICCHIO_CPU_AMX", "on")
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"Hello there\n/exit\n")
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while child.try_wait().unwrap().is_none() {
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("picchio chat with PICCHIO_CPU_AMX=on did not finish in 120 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("AMX") && stderr.contains("[3 tokens"),
+        "the choice logged and one answer: {stderr}"
+    );
+}
+
 #[test]
 fn chat_on_a_model_without_the_harmony_vocabulary_is_a_clear_error() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-single");
