@@ -673,12 +673,15 @@ fn run(cli: Cli) -> Result<()> {
             if std::io::stdin().is_terminal() {
                 eprintln!("picchio chat: type a message; /reset starts over, /exit leaves");
             }
+            // The output streams are locked per write, not for the session: log lines from the
+            // CPU tier's workers (kernel choices, expert reads) go to stderr meanwhile, and a
+            // session-long lock left them waiting for ever.
             picchio::chat::terminal::run(
                 &loaded,
                 &options,
                 std::io::stdin().lock(),
-                std::io::stdout().lock(),
-                std::io::stderr().lock(),
+                std::io::stdout(),
+                std::io::stderr(),
             )?;
             Ok(())
         }

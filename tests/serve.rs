@@ -365,28 +365,36 @@ fn concurrent_clients_are_queued_and_all_answered() {
     );
 }
 
-#[test]
-fn terminal_chat_answers_reuses_the_conversation_and_resets() {
-    let (_model, dir) = tiny_harmony();
+/// `picchio chat` on the model in `dir` with `env` set, its standard streams piped and `input`
+/// written to its stdin (then closed).
+fn terminal_chat(
+    dir: &std::path::Path,
+    max_new_tokens: usize,
+    env: &[(&str, &str)],
+    input: &[u8],
+) -> Child {
     let mut child = picchio()
-        .args([
-            "chat",
-            "--model",
-            dir.to_str().unwrap(),
-            "--max-new-tokens",
-            "5",
-        ])
+        .args(["chat", "--model", dir.to_str().unwrap(), "--max-new-tokens"])
+        .arg(max_new_tokens.to_string())
+        .envs(env.iter().copied())
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    child.stdin.take().unwrap().write_all(input).unwrap();
     child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(b"Hello there\nAnd again\n/reset\nFresh start\n/exit\nnever read\n")
-        .unwrap();
+}
+
+#[test]
+fn terminal_chat_answers_reuses_the_conversation_and_resets() {
+    let (_model, dir) = tiny_harmony();
+    let child = terminal_chat(
+        &dir,
+        5,
+        &[],
+        b"Hello there\nAnd again\n/reset\nFresh start\n/exit\nnever read\n",
+    );
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
@@ -416,33 +424,14 @@ fn terminal_chat_answers_reuses_the_conversation_and_resets() {
     assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 3);
 }
 
-/// `PICCHIO_CPU_AMX=on` makes the CPU tier log whether it uses AMX tiles (or why not). That is
-/// decided before the chat holds the standard streams: decided by a worker at the first matrix
-/// product, its log line waited on the chat's stderr lock for ever.
+/// `PICCHIO_CPU_AMX=on` makes a CPU worker log, at the first matrix product, whether it uses AMX
+/// tiles (or why not). While the chat held the standard streams' locks for the whole session,
+/// that line waited on stderr for ever.
 #[test]
 fn terminal_chat_with_amx_asked_for_logs_the_choice_and_answers() {
     let (_model, dir) = tiny_harmony();
-    let mut child = picchio()
-        .args([
-            "chat",
-            "--model",
-            dir.to_str().unwrap(),
-            "--max-new-tokens",
-            "3",
-        ])
-        .env("PICCHIO_CPU_AMX", "on")
-        .env("RUST_LOG", "info")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(b"Hello there\n/exit\n")
-        .unwrap();
+    let env = [("PICCHIO_CPU_AMX", "on"), ("RUST_LOG", "info")];
+    let mut child = terminal_chat(&dir, 3, &env, b"Hello there\n/exit\n");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
     while child.try_wait().unwrap().is_none() {
         if std::time::Instant::now() > deadline {

@@ -51,11 +51,6 @@ pub fn set_threads(threads: Option<usize>) -> crate::error::Result<usize> {
     {
         log::warn!("thread pool already running ({e}); keeping it");
     }
-    // The kernels and the AMX tiles are decided (and logged) here, on the caller's thread: left
-    // to the first matrix product, a worker would log while a terminal chat holds the standard
-    // streams' locks, and wait on them for ever.
-    super::simd::kernels();
-    super::simd::amx_tiles();
     Ok(rayon::current_num_threads())
 }
 
