@@ -73,14 +73,10 @@ const DENSE_SHAPES: [(&str, usize, usize); 2] = [
 
 fn kernels(c: &mut Criterion) {
     for tokens in [1usize, 8, 64] {
-        let name = format!(
-            "{}{}",
-            if tokens == 1 { "matvec" } else { "prefill" },
-            match tokens {
-                1 => String::new(),
-                t => t.to_string(),
-            }
-        );
+        let name = match tokens {
+            1 => "matvec".to_string(),
+            t => format!("prefill{t}"),
+        };
         let mut group = c.benchmark_group(name);
         group.sample_size(10);
         // Experts see a few of a prompt's tokens each; 64 tokens go through the dense layers.

@@ -263,11 +263,7 @@ pub(crate) fn rows_times_inputs<I: Sync>(
 
 /// Dense linear layer over one or more tokens.
 pub fn dense_matmul(m: &DenseMatrix, xs: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    let amx = super::simd::amx::enabled();
-    #[cfg(not(target_arch = "x86_64"))]
-    let amx = false;
-    dense_matmul_using(m, xs, bias, out, amx)
+    dense_matmul_using(m, xs, bias, out, super::simd::amx_tiles())
 }
 
 /// `dense_matmul`, with AMX tiles for bf16 rows over several tokens where `amx` (which the
