@@ -47,9 +47,6 @@ pub const LONG_PROMPT_TOKENS: usize = 512;
 /// Passes over the buffer each bandwidth measurement makes (the best one counts).
 const BANDWIDTH_PASSES: usize = 5;
 
-/// Size of the buffer the bandwidth measurement reads: far beyond any last-level cache.
-const BANDWIDTH_BUFFER_BYTES: usize = 2 << 30;
-
 /// One configuration's measurements. Rates over the decode phase unless named otherwise.
 #[derive(Debug, Clone, Serialize)]
 pub struct BenchRun {
@@ -58,7 +55,8 @@ pub struct BenchRun {
     pub ram_budget_bytes: u64,
     pub vram_budget: String,
     pub prefetch: bool,
-    /// Share of the next layer's experts the prefetch proxy guessed (decode phase and prompt).
+    /// Share of the next layer's experts the prefetch proxy guessed (decode phase and prompt;
+    /// null without prefetch, where nothing guesses).
     pub prefetch_accuracy: Option<f64>,
     /// Prefetched experts the routing then used, per decoded token.
     pub prefetch_used_per_token: f64,
@@ -107,6 +105,9 @@ pub struct BenchRun {
     pub bandwidth_bytes_per_s: Option<f64>,
     /// Whether that was huge pages (weights copied into memory) or small ones (mapped).
     pub bandwidth_huge_pages: Option<bool>,
+    /// Size of the buffer that measurement read: eight times the last-level cache, at least 2
+    /// GiB (`cpu::machine::bandwidth_buffer_bytes`).
+    pub bandwidth_buffer_bytes: Option<u64>,
     /// achieved / measured bandwidth (roofline runs only).
     pub roofline_fraction: Option<f64>,
     /// Prefill speed of a 512-token prompt (roofline runs only).
@@ -201,10 +202,11 @@ pub fn run_bench(
         .flat_map(|(v, r)| prefetch.iter().map(move |&p| (v, r, p)))
         .collect();
     // Each page size the weights may live in: small (mapped files), huge (copied into memory).
+    let buffer_bytes = crate::cpu::machine::bandwidth_buffer_bytes();
     let measure_bandwidth = || {
         [false, true].map(|huge| {
             let b = crate::cpu::machine::measure_read_bandwidth(
-                BANDWIDTH_BUFFER_BYTES,
+                buffer_bytes,
                 BANDWIDTH_PASSES,
                 huge,
             );
@@ -234,6 +236,7 @@ pub fn run_bench(
                 prefetch: crate::model::PrefetchOptions {
                     enabled: prefetch,
                     proxy: options.prefetch_proxy,
+                    measure_accuracy: false,
                 },
                 ..Default::default()
             },
@@ -341,6 +344,7 @@ pub fn run_bench(
             achieved_bytes_per_s,
             bandwidth_bytes_per_s: limit,
             bandwidth_huge_pages: bandwidth.map(|_| model.weights_in_memory),
+            bandwidth_buffer_bytes: bandwidth.map(|b| b[0].buffer_bytes as u64),
             roofline_fraction: limit.map(|b| achieved_bytes_per_s / b),
             prefill_512_tokens_per_s,
             decode_attention_ms_per_token: split.0,

@@ -813,15 +813,16 @@ impl ExpertStore {
         self.shared.mapped.is_some()
     }
 
-    /// Faults in every mapped expert now, in parallel (a no-op unless `is_mapped`), so the first
-    /// prompt does not pay for it. Counters are untouched: the first request of an expert still
+    /// Faults in every mapped expert now, or reads it once where it was copied into memory
+    /// (`ExpertMatrices::warm`), in parallel (a no-op unless `is_mapped`), so the first prompt
+    /// does not pay for it. Counters are untouched: the first request of an expert still
     /// counts as its read.
     pub fn warm_up(&self) {
         if let Some(mapped) = &self.shared.mapped {
             use rayon::prelude::*;
             mapped.par_iter().for_each(|(gate_up, down)| {
-                gate_up.populate();
-                down.populate();
+                gate_up.warm();
+                down.warm();
             });
         }
     }

@@ -114,6 +114,7 @@ impl ModelArgs {
             prefetch: picchio::model::PrefetchOptions {
                 enabled: self.prefetch == OnOff::On,
                 proxy: self.prefetch_proxy,
+                measure_accuracy: false,
             },
             dense_format: self.dense_format,
             expert_activations: self.expert_activations,
@@ -471,7 +472,9 @@ fn run(cli: Cli) -> Result<()> {
             top_logits,
             ignore_eos,
         } => {
-            let loaded = prompt.load()?;
+            let mut loaded = prompt.load()?;
+            // `--stats` reports every proxy's accuracy: they guess even without prefetch.
+            loaded.prefetch.measure_accuracy = stats;
             let prompt_ids = prompt.prompt_ids();
             let (model, ids, max_new_tokens) =
                 (&prompt.model.model, &prompt_ids, prompt.max_new_tokens);

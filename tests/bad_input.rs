@@ -303,6 +303,14 @@ fn good_input_still_works_through_the_cli() {
     }
     assert_eq!(v["stats"]["placement"].as_array().unwrap().len(), 4);
     assert!(v["stats"]["gpu"].is_null());
+    // Prefetch is off, but --stats asks for every proxy's accuracy, so both guess.
+    for proxy in ["a", "b"] {
+        let accuracy = &v["stats"]["prefetch"]["accuracy_by_proxy"][proxy];
+        assert!(
+            accuracy.as_f64().is_some_and(|a| (0.0..=1.0).contains(&a)),
+            "accuracy_by_proxy.{proxy}: {v}"
+        );
+    }
 
     // Budgets and policies that do not parse are refused before anything runs.
     for (flag, value) in [

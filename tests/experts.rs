@@ -104,6 +104,8 @@ fn bench_sweeps_budgets_and_writes_csv_and_plot() {
     );
     assert_eq!(runs[1].prefetch_bytes_per_token, 0.0);
     assert!(runs[1].prefetch_accuracy.is_some_and(|a| a > 0.0));
+    // Without prefetch nothing guesses (the router products would cost decode time).
+    assert_eq!(runs[0].prefetch_accuracy, None);
     let runs: Vec<_> = runs.into_iter().filter(|r| !r.prefetch).collect();
     assert!(
         runs.iter()

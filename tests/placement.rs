@@ -291,6 +291,7 @@ fn prefetch_never_changes_tokens_and_guesses_better_than_chance() {
                     prefetch: PrefetchOptions {
                         enabled: true,
                         proxy,
+                        measure_accuracy: false,
                     },
                     ..Default::default()
                 },

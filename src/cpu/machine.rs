@@ -54,6 +54,70 @@ pub fn set_threads(threads: Option<usize>) -> crate::error::Result<usize> {
     Ok(rayon::current_num_threads())
 }
 
+/// The smallest buffer a bandwidth measurement reads.
+const MIN_BANDWIDTH_BUFFER_BYTES: usize = 2 << 30;
+
+/// How many times the last-level cache a bandwidth measurement reads. A cache keeps part of a
+/// buffer from one pass to the next when the buffer is only a few times its size: on this
+/// 2-core VM, whose last-level cache is 480 MiB, a 2 GiB buffer read at 27.3-30.5 GB/s and a 4
+/// GiB one at 25.6-28.2 (same process, alternating). Decode reads about 3.7 GB between two
+/// reads of the same weights, so the smaller buffer flattered the memory a decoded token reads.
+const BUFFER_PER_LAST_LEVEL_CACHE: usize = 8;
+
+/// Size of the largest CPU cache, where the OS says (Linux: sysfs).
+pub fn last_level_cache_bytes() -> Option<usize> {
+    #[cfg(target_os = "linux")]
+    {
+        let caches = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+        caches
+            .flatten()
+            .filter_map(|entry| std::fs::read_to_string(entry.path().join("size")).ok())
+            .filter_map(|size| parse_cache_size(&size))
+            .max()
+    }
+    #[cfg(not(target_os = "linux"))]
+    None
+}
+
+/// A sysfs cache size: bytes, or a count of KiB ("2048K") or MiB ("32M").
+#[cfg_attr(not(target_os = "linux"), allow(dead_code))]
+fn parse_cache_size(text: &str) -> Option<usize> {
+    let text = text.trim();
+    let (digits, unit) = match text.as_bytes().last()? {
+        b'K' => (&text[..text.len() - 1], 1 << 10),
+        b'M' => (&text[..text.len() - 1], 1 << 20),
+        b'G' => (&text[..text.len() - 1], 1 << 30),
+        _ => (text, 1),
+    };
+    digits.parse::<usize>().ok()?.checked_mul(unit)
+}
+
+/// Memory the OS could give this process now (Linux: `MemAvailable`).
+fn available_memory_bytes() -> Option<usize> {
+    #[cfg(target_os = "linux")]
+    {
+        let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+        kib.checked_mul(1024)
+    }
+    #[cfg(not(target_os = "linux"))]
+    None
+}
+
+/// The buffer a bandwidth measurement should read: `BUFFER_PER_LAST_LEVEL_CACHE` times the
+/// last-level cache, at least 2 GiB, and no more than half the memory available (the
+/// measurement runs while no model is loaded).
+pub fn bandwidth_buffer_bytes() -> usize {
+    bandwidth_buffer_for(last_level_cache_bytes(), available_memory_bytes())
+}
+
+fn bandwidth_buffer_for(cache: Option<usize>, available: Option<usize>) -> usize {
+    let wanted = cache.map_or(0, |c| c.saturating_mul(BUFFER_PER_LAST_LEVEL_CACHE));
+    let room = available.map_or(usize::MAX, |a| a / 2);
+    wanted.min(room).max(MIN_BANDWIDTH_BUFFER_BYTES)
+}
+
 /// A measured memory read bandwidth.
 #[derive(Debug, Clone, Copy, serde::Serialize)]
 pub struct Bandwidth {
@@ -161,6 +225,43 @@ mod tests {
     fn word_sums_read_every_word() {
         let words: Vec<u64> = (1..=21).collect();
         assert_eq!(sum_words(&words), 21 * 22 / 2);
+    }
+
+    #[test]
+    fn cache_sizes_parse_as_sysfs_writes_them() {
+        assert_eq!(parse_cache_size("491520K\n"), Some(480 << 20));
+        assert_eq!(parse_cache_size("32M"), Some(32 << 20));
+        assert_eq!(parse_cache_size("4096"), Some(4096));
+        assert_eq!(parse_cache_size("lots"), None);
+        assert_eq!(parse_cache_size(""), None);
+    }
+
+    #[test]
+    fn the_bandwidth_buffer_is_eight_last_level_caches_within_two_gib_and_half_the_memory() {
+        let gib = 1usize << 30;
+        // A laptop's 24 MiB cache: the 2 GiB floor.
+        assert_eq!(
+            bandwidth_buffer_for(Some(24 << 20), Some(16 * gib)),
+            2 * gib
+        );
+        // This VM's 480 MiB: 3.75 GiB.
+        assert_eq!(
+            bandwidth_buffer_for(Some(480 << 20), Some(23 * gib)),
+            3840 << 20
+        );
+        // Little memory free: half of it, but never under the floor.
+        assert_eq!(
+            bandwidth_buffer_for(Some(480 << 20), Some(6 * gib)),
+            3 * gib
+        );
+        assert_eq!(bandwidth_buffer_for(Some(480 << 20), Some(gib)), 2 * gib);
+        // Nothing known: the floor.
+        assert_eq!(bandwidth_buffer_for(None, None), 2 * gib);
+        let here = bandwidth_buffer_bytes();
+        assert!(here >= 2 * gib, "{here}");
+        if let Some(cache) = last_level_cache_bytes() {
+            assert!(cache > 0, "a cache of 0 bytes");
+        }
     }
 
     #[test]

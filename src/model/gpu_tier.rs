@@ -1337,7 +1337,9 @@ impl<'m> GpuModel<'m> {
         if let Some(guess) = self.guess.take() {
             model.score_prediction(super::PrefetchProxy::A, &guess, &actual);
         }
-        if l + 1 < self.layers.len() {
+        // The GPU tier prefetches with proxy A, whatever the CPU tier's choice.
+        if l + 1 < self.layers.len() && (model.prefetch.enabled || model.prefetch.measure_accuracy)
+        {
             let guess = model.predict_experts(l + 1, &x, false)?;
             if model.prefetch.enabled {
                 // Only what VRAM lacks: a cached expert never goes through RAM.

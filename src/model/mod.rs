@@ -100,6 +100,11 @@ impl std::str::FromStr for PrefetchProxy {
 pub struct PrefetchOptions {
     pub enabled: bool,
     pub proxy: PrefetchProxy,
+    /// Guess with every proxy and score the guesses even where nothing is prefetched (what
+    /// `--stats` reports). Otherwise only the proxy that prefetches guesses: the others' router
+    /// products and norms cost decode time (about 4 ms a token on the synthetic 20B) for a
+    /// number nobody reads.
+    pub measure_accuracy: bool,
 }
 
 /// Microseconds the CPU forward pass spent per part (expert time includes waiting for reads;
@@ -321,13 +326,14 @@ impl Model {
     }
 
     /// Faults in the mapped dense weights, and the experts when they all fit the RAM budget
-    /// (`ExpertStore::warm_up`), so that timing starts with the model in memory.
+    /// (`ExpertStore::warm_up`), or reads them once where they were copied into memory
+    /// (`TensorBytes::warm`), so that timing starts with the model in memory.
     pub fn warm_up(&self) {
         // Not the embeddings: a prompt reads one row per token (the load asked the OS to read
         // them into its page cache).
         self.checkpoint_matrices_per_token()
             .par_iter()
-            .for_each(|m| m.data.populate());
+            .for_each(|m| m.data.warm());
         self.experts.warm_up();
     }
 
@@ -500,7 +506,7 @@ impl Model {
                     }
                 }
                 // Proxy A: this layer's MoE input through the next layer's router.
-                if let Some(next) = next {
+                if let Some(next) = next.filter(|_| self.guesses_with(PrefetchProxy::A)) {
                     let prefetch = self.prefetches_with(PrefetchProxy::A);
                     guess_a = Some(self.predict_experts(next, &normed, prefetch)?);
                 }
@@ -510,7 +516,7 @@ impl Model {
             add_residual(hidden, &moe);
             predicted[0] = guess_a;
             // Proxy B: the residual after this layer's MoE, normalized as the next layer will.
-            if let Some(next) = next {
+            if let Some(next) = next.filter(|_| self.guesses_with(PrefetchProxy::B)) {
                 let mut proxy = vec![0f32; hidden.len()];
                 let norm = &self.weights.layers[next].post_attention_norm;
                 rms_norm(hidden, norm, cfg.rms_norm_eps, &mut proxy);
@@ -743,6 +749,12 @@ impl Model {
     /// Whether the CPU tier prefetches with `which` proxy.
     fn prefetches_with(&self, which: PrefetchProxy) -> bool {
         self.prefetch.enabled && self.prefetch.proxy == which
+    }
+
+    /// Whether `which` proxy guesses the next layer's experts: where it prefetches, or where
+    /// its accuracy is measured.
+    pub fn guesses_with(&self, which: PrefetchProxy) -> bool {
+        self.prefetches_with(which) || self.prefetch.measure_accuracy
     }
 
     /// Adds how many of each token's `actual` experts `predicted` named to `which` proxy's score.
