@@ -206,8 +206,9 @@ impl TensorBytes {
     }
 
     /// Drops the process's pages of a mapped range (the data stays in the file and the OS page
-    /// cache, and reading it again faults it back in): for weights a copy has replaced, so they
-    /// stop counting in the resident memory. Nothing to do for bytes in memory.
+    /// cache, and reading it again faults it back in): for weights a copy has replaced, or read
+    /// a row at a time, so they stop counting in the resident memory. Nothing to do for bytes
+    /// in memory.
     pub fn release(&self) {
         let Backing::Mapped(map) = &self.backing else {
             return;

@@ -460,7 +460,17 @@ impl Model {
         tokens
             .iter()
             .flat_map(|&id| {
-                crate::cpu::formats::decode_floats(embeddings.format, embeddings.row(id as usize))
+                let row = crate::cpu::formats::decode_floats(
+                    embeddings.format,
+                    embeddings.row(id as usize),
+                );
+                // Where the table is a mapped file, drop the pages the row was read through: the
+                // OS may map a whole 2 MiB folio of the page cache for one 6 KB row, and a
+                // 512-token prompt's rows, kept, counted up to 0.8 GB in the process's resident
+                // memory (peak 13.54 GB against 12.98 on the synthetic 20B). The rows stay in the
+                // page cache.
+                embeddings.data.release();
+                row
             })
             .collect()
     }
