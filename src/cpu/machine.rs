@@ -92,24 +92,14 @@ fn parse_cache_size(text: &str) -> Option<usize> {
     digits.parse::<usize>().ok()?.checked_mul(unit)
 }
 
-/// Memory the OS could give this process now (Linux: `MemAvailable`).
-fn available_memory_bytes() -> Option<usize> {
-    #[cfg(target_os = "linux")]
-    {
-        let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-        let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-        let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-        kib.checked_mul(1024)
-    }
-    #[cfg(not(target_os = "linux"))]
-    None
-}
-
 /// The buffer a bandwidth measurement should read: `BUFFER_PER_LAST_LEVEL_CACHE` times the
-/// last-level cache, at least 2 GiB, and no more than half the memory available (the
-/// measurement runs while no model is loaded).
+/// last-level cache, at least 2 GiB, and no more than half the memory available
+/// (`experts::available_memory_bytes`, cgroup limits included; the measurement runs while no
+/// model is loaded).
 pub fn bandwidth_buffer_bytes() -> usize {
-    bandwidth_buffer_for(last_level_cache_bytes(), available_memory_bytes())
+    let available =
+        crate::experts::available_memory_bytes().map(|a| usize::try_from(a).unwrap_or(usize::MAX));
+    bandwidth_buffer_for(last_level_cache_bytes(), available)
 }
 
 fn bandwidth_buffer_for(cache: Option<usize>, available: Option<usize>) -> usize {
