@@ -282,7 +282,8 @@ pub unsafe fn dot_mxfp4_each(blocks: &[u8], scales: &[u8], xs: &[&[f32]], out: &
 /// Two runs of consecutive rows (each row `x.len() / 2` bytes and `x.len() / 32` scales) times
 /// one input: `outs[k][i] = row i of run k . x`, bit-identical to `dot_mxfp4`. Decode's form:
 /// one scan of each run's scales, then row i of both runs side by side through `rows_dots`
-/// (two streams from memory), the rows one run has beyond the other's one at a time.
+/// (two streams from memory), rows i and i + 1 in one pass, the rows one run has beyond the
+/// other's one at a time.
 ///
 /// # Safety
 /// As `dot_mxfp4`, for every row.
@@ -309,9 +310,19 @@ pub unsafe fn dot_mxfp4_rows(runs: [(&[u8], &[u8]); 2], x: &[f32], outs: [&mut [
     };
     let [first, second] = outs;
     let paired = first.len().min(second.len());
-    for r in 0..paired {
+    // Rows i and i + 1 of both runs per pass (two pairs: 18% more from memory than one on AMD
+    // Zen 5; three or four spill), then the last row of an odd count as one pair.
+    let mut r = 0;
+    while r + 1 < paired {
+        let pairs = [[row(0, r), row(1, r)], [row(0, r + 1), row(1, r + 1)]];
         // Safety: the caller's guarantees.
-        let [a, b] = unsafe { rows_dots([row(0, r), row(1, r)], x) };
+        let [[a, b], [c, d]] = unsafe { rows_dots(pairs, x) };
+        (first[r], second[r], first[r + 1], second[r + 1]) = (a, b, c, d);
+        r += 2;
+    }
+    for r in r..paired {
+        // Safety: the caller's guarantees.
+        let [[a, b]] = unsafe { rows_dots([[row(0, r), row(1, r)]], x) };
         (first[r], second[r]) = (a, b);
     }
     for (k, out) in [first, second].into_iter().enumerate() {
@@ -322,46 +333,57 @@ pub unsafe fn dot_mxfp4_rows(runs: [(&[u8], &[u8]); 2], x: &[f32], outs: [&mut [
     }
 }
 
-/// `R` rows times one input, each bit-identical to `row_dots`: where all fold, their runs go
-/// side by side, each input vector loaded once for all and 2 R sums in flight (one row's two
-/// would leave each multiply-add waiting on the one before). Decode takes two (four were 4-12%
-/// slower: their weights spill from registers).
+/// `P` pairs of rows times one input, each row bit-identical to `row_dots`: where all fold,
+/// each run goes through the pairs one after the other, a pair's two rows side by side (each
+/// input vector loaded once for both, four sums in flight: one row's two would leave each
+/// multiply-add waiting on the one before). More pairs per run give the core more independent
+/// work between two runs' loads; decoding more than two rows at once would spill their weights
+/// from registers.
 ///
 /// # Safety
 /// As `folded_runs`, for every row.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
 #[inline]
-unsafe fn rows_dots<const R: usize>(rows: [Row; R], x: &[f32]) -> [f32; R] {
-    let mut dots = [0f32; R];
-    if !rows.iter().all(|r| r.folds) {
-        for (dot, row) in dots.iter_mut().zip(rows) {
-            // Safety: the caller's guarantees.
-            *dot = unsafe { row_dots(row, [x])[0] };
+unsafe fn rows_dots<const P: usize>(pairs: [[Row; 2]; P], x: &[f32]) -> [[f32; 2]; P] {
+    let mut dots = [[0f32; 2]; P];
+    if !pairs.iter().flatten().all(|r| r.folds) {
+        for (dots, pair) in dots.iter_mut().zip(pairs) {
+            for (dot, row) in dots.iter_mut().zip(pair) {
+                // Safety: the caller's guarantees.
+                *dot = unsafe { row_dots(row, [x])[0] };
+            }
         }
         return dots;
     }
-    let groups = rows[0].groups();
-    assert!(rows.iter().all(|r| r.groups() == groups) && x.len() == 32 * groups);
-    let mut sums = [[[_mm512_setzero_ps(); 2]; 1]; R];
+    let groups = pairs[0][0].groups();
+    assert!(pairs.iter().flatten().all(|r| r.groups() == groups) && x.len() == 32 * groups);
+    let mut sums = [[[[_mm512_setzero_ps(); 2]; 1]; 2]; P];
     let tables = scaled_tables();
     for c in 0..groups / 4 {
-        let mut weights = [[_mm512_setzero_ps(); 8]; R];
-        for (w, row) in weights.iter_mut().zip(rows) {
-            // Safety: run c exists in every row.
-            *w = unsafe { run_weights(row, c, tables) };
-        }
-        for k in 0..8 {
-            // Safety: run c's 128 inputs are in bounds (asserted above).
-            let v = unsafe { _mm512_loadu_ps(x.as_ptr().add(128 * c + 16 * k)) };
-            for (s, w) in sums.iter_mut().zip(&weights) {
-                s[0][k % 2] = _mm512_fmadd_ps(w[k], v, s[0][k % 2]);
+        for (pair, sums) in pairs.iter().zip(sums.iter_mut()) {
+            // Safety: run c exists in every row. (Not `map`: a closure would not inherit the
+            // target features, and the weights would go through memory.)
+            let weights = unsafe {
+                [
+                    run_weights(pair[0], c, tables),
+                    run_weights(pair[1], c, tables),
+                ]
+            };
+            for k in 0..8 {
+                // Safety: run c's 128 inputs are in bounds (asserted above).
+                let v = unsafe { _mm512_loadu_ps(x.as_ptr().add(128 * c + 16 * k)) };
+                for (s, w) in sums.iter_mut().zip(&weights) {
+                    s[0][k % 2] = _mm512_fmadd_ps(w[k], v, s[0][k % 2]);
+                }
             }
         }
     }
-    for ((dot, row), sums) in dots.iter_mut().zip(rows).zip(sums.iter_mut()) {
-        // Safety: the caller's guarantees.
-        unsafe { single_groups(row, [x], 4 * (groups / 4)..groups, sums) };
-        *dot = reduce(sums)[0];
+    for ((dots, pair), sums) in dots.iter_mut().zip(pairs).zip(sums.iter_mut()) {
+        for ((dot, row), sums) in dots.iter_mut().zip(pair).zip(sums.iter_mut()) {
+            // Safety: the caller's guarantees.
+            unsafe { single_groups(row, [x], 4 * (groups / 4)..groups, sums) };
+            *dot = reduce(sums)[0];
+        }
     }
     dots
 }
