@@ -360,9 +360,9 @@ unsafe fn rows_dots<const P: usize>(pairs: [[Row; 2]; P], x: &[f32]) -> [[f32; 2
     }
     let groups = pairs[0][0].groups();
     assert!(pairs.iter().flatten().all(|r| r.groups() == groups) && x.len() == 32 * groups);
+    const { assert!(P <= 2, "more than two pairs spill") };
     // One row's two sums per entry, rows flat (nested arrays kept them in memory).
     let mut sums = [[_mm512_setzero_ps(); 2]; 4];
-    assert!(P <= 2, "more than two pairs spill");
     let tables = scaled_tables();
     for c in 0..groups / 4 {
         for (p, pair) in pairs.iter().enumerate() {
