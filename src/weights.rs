@@ -157,9 +157,9 @@ impl TensorBytes {
 
     /// Gets these bytes ready for timed reads: mapped ranges are faulted in (`populate`), and
     /// copies in memory (`huge_buffer`) are read once, in parallel. The first read of memory
-    /// the process has just written can be far slower than the next ones: on this shared VM a
-    /// 4 GiB buffer read at 16 GB/s the first time and 27-28 GB/s after (the expert matrices
-    /// of a decoded token 11 against 18-19 GB/s), with no page fault in the guest.
+    /// the process has just written can be far slower than the next ones: on the shared Xeon
+    /// VM a 4 GiB buffer read at 16 GB/s the first time and 27-28 GB/s after (the expert
+    /// matrices of a decoded token 11 against 18-19 GB/s), with no page fault in the guest.
     pub fn warm(&self) {
         use rayon::prelude::*;
         match &self.backing {

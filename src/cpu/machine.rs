@@ -58,10 +58,11 @@ pub fn set_threads(threads: Option<usize>) -> crate::error::Result<usize> {
 const MIN_BANDWIDTH_BUFFER_BYTES: usize = 2 << 30;
 
 /// How many times the last-level cache a bandwidth measurement reads. A cache keeps part of a
-/// buffer from one pass to the next when the buffer is only a few times its size: on this
-/// 2-core VM, whose last-level cache is 480 MiB, a 2 GiB buffer read at 27.3-30.5 GB/s and a 4
-/// GiB one at 25.6-28.2 (same process, alternating). Decode reads about 3.7 GB between two
-/// reads of the same weights, so the smaller buffer flattered the memory a decoded token reads.
+/// buffer from one pass to the next when the buffer is only a few times its size: on the
+/// 2-core Xeon VM of the earlier sessions, whose last-level cache is 480 MiB, a 2 GiB buffer
+/// read at 27.3-30.5 GB/s and a 4 GiB one at 25.6-28.2 (same process, alternating). Decode
+/// reads about 3.7 GB between two reads of the same weights, so the smaller buffer flattered
+/// the memory a decoded token reads.
 const BUFFER_PER_LAST_LEVEL_CACHE: usize = 8;
 
 /// Size of the largest CPU cache, where the OS says (Linux: sysfs).
@@ -234,7 +235,7 @@ mod tests {
             bandwidth_buffer_for(Some(24 << 20), Some(16 * gib)),
             2 * gib
         );
-        // This VM's 480 MiB: 3.75 GiB.
+        // The Xeon VM's 480 MiB: 3.75 GiB.
         assert_eq!(
             bandwidth_buffer_for(Some(480 << 20), Some(23 * gib)),
             3840 << 20
