@@ -121,6 +121,92 @@ pub struct BenchRun {
     pub decode_attention_ms_per_token: f64,
     pub decode_experts_ms_per_token: f64,
     pub decode_head_ms_per_token: f64,
+    /// Roofline runs on the CPU tier: `--gen-tokens` more tokens decoded after the timed ones,
+    /// each followed by one read of the LM head's weights (`interleaved_bandwidth_bytes_per_s`).
+    /// Null where the head is under twice the last-level cache (a read of it would partly hit
+    /// the cache).
+    pub interleaved_decode_tokens_per_s: Option<f64>,
+    /// The mean bandwidth of those reads: the memory's speed at the moments the tokens ran, on
+    /// the pages the decode reads its weights from.
+    pub interleaved_bandwidth_bytes_per_s: Option<f64>,
+    /// Bytes per token x interleaved tokens/s / interleaved bandwidth. Where the host's memory
+    /// bandwidth changes from one second to the next, the best pass before and after the runs
+    /// and the decode in between can meet different conditions (three runs within two minutes
+    /// on the AMD EPYC VM of 2026-11-30: 58%, 86% and 114% by `roofline_fraction`); each read
+    /// here follows a token, so both see the same minutes.
+    pub interleaved_roofline_fraction: Option<f64>,
+}
+
+/// Decode speed and memory bandwidth measured in turns: see
+/// `BenchRun::interleaved_roofline_fraction`.
+#[derive(Debug, Clone)]
+struct Interleaved {
+    tokens_per_s: f64,
+    bandwidth_bytes_per_s: f64,
+    roofline_fraction: f64,
+    /// The tokens decoded (the tests check them against a plain decode).
+    #[cfg_attr(not(test), expect(dead_code))]
+    ids: Vec<u32>,
+}
+
+/// The smallest LM head an interleaved measurement reads: twice the last-level cache (64 MiB
+/// where its size is unknown). The head is the last thing a token reads, so a read of it after
+/// the token starts from the memory, and at twice the cache the head's end (still cached from
+/// the token) is evicted again before the read reaches it.
+fn interleaved_min_head_bytes() -> usize {
+    crate::cpu::machine::last_level_cache_bytes().map_or(64 << 20, |c| 2 * c)
+}
+
+/// Decodes `tokens` tokens on `session` after `id` (its last token, not yet fed), reading the
+/// LM head's weights once after each token. None where the head is under `min_head_bytes`.
+fn interleaved_decode(
+    model: &Model,
+    session: &mut dyn Session,
+    mut id: u32,
+    tokens: usize,
+    min_head_bytes: usize,
+) -> Result<Option<Interleaved>> {
+    let head = model.head_weight_bytes();
+    let head_bytes: usize = head.iter().map(|h| h.len()).sum();
+    if head_bytes < min_head_bytes || tokens == 0 {
+        log::info!(
+            "no interleaved bandwidth readings: the LM head ({head_bytes} bytes) is under twice the last-level cache"
+        );
+        return Ok(None);
+    }
+    let first = session.len();
+    let before = model.experts.stats();
+    let (mut decode_s, mut bandwidth_sum) = (0f64, 0f64);
+    let mut ids = Vec::with_capacity(tokens);
+    for _ in 0..tokens {
+        let started = Instant::now();
+        id = session.feed(&[id], 0)?.id;
+        decode_s += started.elapsed().as_secs_f64();
+        ids.push(id);
+        bandwidth_sum += crate::cpu::machine::read_bytes_per_s(&head);
+    }
+    let requests = model.experts.stats().since(&before).requests;
+    let bytes_per_token = decode_bytes_per_token(
+        model,
+        requests as f64 / tokens as f64,
+        first..first + tokens,
+    );
+    let tokens_per_s = tokens as f64 / decode_s.max(1e-9);
+    let bandwidth_bytes_per_s = bandwidth_sum / tokens as f64;
+    let measured = Interleaved {
+        tokens_per_s,
+        bandwidth_bytes_per_s,
+        roofline_fraction: bytes_per_token * tokens_per_s / bandwidth_bytes_per_s,
+        ids,
+    };
+    log::info!(
+        "interleaved: decode {:.2} tokens/s ({:.2} GB/s), LM head read after each token at {:.2} GB/s on average: {:.1}%",
+        tokens_per_s,
+        bytes_per_token * tokens_per_s / 1e9,
+        bandwidth_bytes_per_s / 1e9,
+        measured.roofline_fraction * 100.0
+    );
+    Ok(Some(measured))
 }
 
 /// Bytes a decode step at each of `positions` reads, on average: see `BenchRun::bytes_per_token`.
@@ -249,7 +335,9 @@ pub fn run_bench(
         model.warm_up();
         let warmup_s = warmup.elapsed().as_secs_f64();
         let ids = prompt(options.prompt_tokens, model.config.vocab_size, options.seed);
-        let context = options.prompt_tokens + options.gen_tokens;
+        // Room for the interleaved measurement's tokens after the timed ones.
+        let decoded_tokens = options.gen_tokens * if options.roofline { 2 } else { 1 };
+        let context = options.prompt_tokens + decoded_tokens;
         let gpu_options = GpuTierOptions {
             context,
             vram_budget,
@@ -302,6 +390,19 @@ pub fn run_bench(
             split.2
         );
         let achieved_bytes_per_s = bytes_per_token * decode_tokens_per_s;
+        let interleaved = match out.generated_ids.last() {
+            Some(&last) if options.roofline && !on_gpu => {
+                let min_head_bytes = interleaved_min_head_bytes();
+                interleaved_decode(
+                    &model,
+                    &mut session,
+                    last,
+                    options.gen_tokens,
+                    min_head_bytes,
+                )?
+            }
+            _ => None,
+        };
         drop(session);
         // The limit of the memory this run's weights live in.
         let limit = bandwidth.map(|b| b[usize::from(model.weights_in_memory)].bytes_per_s);
@@ -354,6 +455,11 @@ pub fn run_bench(
             decode_attention_ms_per_token: split.0,
             decode_experts_ms_per_token: split.1,
             decode_head_ms_per_token: split.2,
+            interleaved_decode_tokens_per_s: interleaved.as_ref().map(|i| i.tokens_per_s),
+            interleaved_bandwidth_bytes_per_s: interleaved
+                .as_ref()
+                .map(|i| i.bandwidth_bytes_per_s),
+            interleaved_roofline_fraction: interleaved.as_ref().map(|i| i.roofline_fraction),
         });
         progress(done + 1, configurations.len());
     }
@@ -527,4 +633,70 @@ pub fn plot_svg(runs: &[BenchRun], path: &Path) -> Result<()> {
         .map_err(|e| fail(&e))?;
     root.present().map_err(|e| fail(&e))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interleaved_decode_continues_the_greedy_tokens_and_judges_them_against_its_reads() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-single");
+        let model = Model::load(&dir).unwrap();
+        let (prompt, tokens) = ([1u32, 2, 3], 4);
+        let options = |new_tokens| GenerateOptions {
+            max_new_tokens: new_tokens,
+            top_logits: 0,
+            stop_at_eos: false,
+            context: prompt.len() + 2 * tokens,
+        };
+        let gpu_options = GpuTierOptions {
+            context: prompt.len() + 2 * tokens,
+            ..Default::default()
+        };
+        let session = || open_session(&model, BackendChoice::Cpu, &gpu_options).unwrap();
+        let whole = {
+            let mut s = session();
+            generate_observed(
+                &mut s,
+                &model.config,
+                &prompt,
+                &options(2 * tokens),
+                &mut |_, _| {},
+            )
+            .unwrap()
+        };
+        let mut s = session();
+        let first = generate_observed(
+            &mut s,
+            &model.config,
+            &prompt,
+            &options(tokens),
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let last = *first.generated_ids.last().unwrap();
+        // The tiny model's head is far under any cache: no readings by default.
+        assert!(
+            interleaved_decode(&model, &mut s, last, tokens, interleaved_min_head_bytes())
+                .unwrap()
+                .is_none()
+        );
+        let measured = interleaved_decode(&model, &mut s, last, tokens, 0)
+            .unwrap()
+            .unwrap();
+        // Reading weights between tokens changes no token.
+        assert_eq!(measured.ids, whole.generated_ids[tokens..]);
+        let (rate, bandwidth) = (measured.tokens_per_s, measured.bandwidth_bytes_per_s);
+        assert!(rate > 0.0 && rate.is_finite() && bandwidth > 0.0 && bandwidth.is_finite());
+        let positions = prompt.len() + tokens..prompt.len() + 2 * tokens;
+        let bytes = decode_bytes_per_token(&model, 0.0, positions.clone());
+        let most = (model.config.num_layers * model.config.experts_per_token) as f64;
+        let with_experts = decode_bytes_per_token(&model, most, positions);
+        let fraction = measured.roofline_fraction * bandwidth / rate;
+        assert!(
+            (bytes..=with_experts).contains(&fraction),
+            "{fraction} bytes per token outside {bytes}..={with_experts}"
+        );
+    }
 }

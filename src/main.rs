@@ -388,7 +388,8 @@ enum Command {
         seed: u64,
         /// Also measure this machine's read bandwidth and report each run's decode against it
         /// (bytes per token, GB/s, roofline fraction), and the prefill speed of a 512-token
-        /// prompt.
+        /// prompt. On the CPU tier, decode is also measured in turns with reads of the LM head
+        /// (the interleaved roofline fraction: both in the same moments).
         #[arg(long)]
         roofline: bool,
         /// How the CPU tier holds the dense weights in every run: checkpoint (exact) or q8.
@@ -1144,7 +1145,7 @@ fn bench(
     if roofline {
         println!();
         println!(
-            "{:<8} {:>7} {:>10} {:>12} {:>9} {:>10} {:>9} {:>10} {:>13}",
+            "{:<8} {:>7} {:>10} {:>12} {:>9} {:>10} {:>9} {:>10} {:>13} {:>12}",
             "backend",
             "threads",
             "kernels",
@@ -1153,11 +1154,12 @@ fn bench(
             "bandwidth",
             "roofline",
             "decode/s",
-            "prefill512/s"
+            "prefill512/s",
+            "interleaved"
         );
         for r in &runs {
             println!(
-                "{:<8} {:>7} {:>10} {:>12} {:>9.2} {:>10} {:>8.1}% {:>10.2} {:>13}",
+                "{:<8} {:>7} {:>10} {:>12} {:>9.2} {:>10} {:>8.1}% {:>10.2} {:>13} {:>12}",
                 r.backend,
                 r.threads,
                 format!("{}{}", r.cpu_kernels, if r.amx_tiles { "+amx" } else { "" }),
@@ -1169,6 +1171,8 @@ fn bench(
                 r.decode_tokens_per_s,
                 r.prefill_512_tokens_per_s
                     .map_or("-".to_string(), |p| format!("{p:.2}")),
+                r.interleaved_roofline_fraction
+                    .map_or("-".to_string(), |f| format!("{:.1}%", f * 100.0)),
             );
         }
     }

@@ -128,7 +128,6 @@ pub struct Bandwidth {
 /// buffer should be several times the last-level cache. `huge_pages` picks the page size the
 /// weights being judged live in: huge pages read faster (fewer TLB misses).
 pub fn measure_read_bandwidth(buffer_bytes: usize, passes: usize, huge_pages: bool) -> Bandwidth {
-    const CHUNK_WORDS: usize = 1 << 15; // 256 KiB per task
     let words = (buffer_bytes / 8).max(CHUNK_WORDS);
     let mut buffer = match memmap2::MmapMut::map_anon(words * 8) {
         Ok(buffer) => buffer,
@@ -164,17 +163,10 @@ pub fn measure_read_bandwidth(buffer_bytes: usize, passes: usize, huge_pages: bo
                 *w = (c * CHUNK_WORDS + i) as u64;
             }
         });
-    let mut best = 0f64;
-    for _ in 0..passes.max(1) {
-        let started = Instant::now();
-        let sum = buffer
-            .par_chunks(CHUNK_WORDS)
-            .map(sum_words)
-            .reduce(|| 0, u64::wrapping_add);
-        let seconds = started.elapsed().as_secs_f64();
-        std::hint::black_box(sum);
-        best = best.max((words * 8) as f64 / seconds);
-    }
+    let chunks: Vec<&[u64]> = buffer.chunks(CHUNK_WORDS).collect();
+    let best = (0..passes.max(1))
+        .map(|_| read_pass(&chunks))
+        .fold(0f64, f64::max);
     Bandwidth {
         bytes_per_s: best,
         buffer_bytes: words * 8,
@@ -182,6 +174,43 @@ pub fn measure_read_bandwidth(buffer_bytes: usize, passes: usize, huge_pages: bo
         threads: rayon::current_num_threads(),
         huge_pages,
     }
+}
+
+/// Words read per task of a bandwidth pass (256 KiB).
+const CHUNK_WORDS: usize = 1 << 15;
+
+/// One timed read of every word of `chunks` by the CPU tier's pool, each thread streaming its
+/// share of the chunks in order: bytes per second.
+fn read_pass(chunks: &[&[u64]]) -> f64 {
+    let bytes: usize = chunks.iter().map(|c| c.len() * 8).sum();
+    let started = Instant::now();
+    let sum = chunks
+        .par_iter()
+        .map(|c| sum_words(c))
+        .reduce(|| 0, u64::wrapping_add);
+    let seconds = started.elapsed().as_secs_f64();
+    std::hint::black_box(sum);
+    bytes as f64 / seconds.max(1e-9)
+}
+
+/// Reads `parts` (in that order, split over the CPU tier's threads as a bandwidth measurement
+/// splits its buffer) once: bytes per second. For weights the decode reads, this is the read
+/// bandwidth of the very memory (and page size) it reads them from. Bytes before each part's
+/// first 8-byte boundary and after its last are left out.
+pub fn read_bytes_per_s(parts: &[&[u8]]) -> f64 {
+    read_pass(&aligned_chunks(parts))
+}
+
+/// The whole 8-byte words of `parts`, in chunks of at most `CHUNK_WORDS`.
+fn aligned_chunks<'a>(parts: &[&'a [u8]]) -> Vec<&'a [u64]> {
+    parts
+        .iter()
+        .flat_map(|part| {
+            bytemuck::pod_align_to::<u8, u64>(part)
+                .1
+                .chunks(CHUNK_WORDS)
+        })
+        .collect()
 }
 
 /// A sum that must read every word, in eight independent lanes (vectorized, far from
@@ -253,6 +282,24 @@ mod tests {
         if let Some(cache) = last_level_cache_bytes() {
             assert!(cache > 0, "a cache of 0 bytes");
         }
+    }
+
+    #[test]
+    fn a_read_of_parts_takes_their_whole_words_in_chunks() {
+        let words: Vec<u64> = (0..(3 * CHUNK_WORDS as u64 + 5)).collect();
+        let bytes: &[u8] = bytemuck::cast_slice(&words);
+        // The second part starts 3 bytes in: its first and last words are not whole.
+        let chunks = aligned_chunks(&[bytes, &bytes[3..], &[]]);
+        let sizes: Vec<usize> = chunks.iter().map(|c| c.len()).collect();
+        let full = [CHUNK_WORDS; 3];
+        assert_eq!(sizes, [&full[..], &[5], &full[..], &[4]].concat());
+        assert_eq!(chunks[0][0], 0);
+        assert_eq!(
+            chunks[4][0],
+            u64::from_le_bytes(bytes[8..16].try_into().unwrap())
+        );
+        let rate = read_bytes_per_s(&[bytes]);
+        assert!(rate > 0.0 && rate.is_finite(), "{rate}");
     }
 
     #[test]

@@ -354,6 +354,14 @@ impl Model {
         dense
     }
 
+    /// The bytes the LM head's product reads on the CPU tier (its q8 copy where it holds one).
+    pub fn head_weight_bytes(&self) -> Vec<&[u8]> {
+        match &self.q8 {
+            Some(q8) => vec![q8.lm_head.values.bytes(), q8.lm_head.scales.bytes()],
+            None => vec![self.weights.lm_head.data.bytes()],
+        }
+    }
+
     /// A KV cache for this model holding at most `context` positions.
     pub fn new_cache(&self, context: usize) -> KvCache {
         KvCache::new(&self.config, context)
