@@ -323,6 +323,7 @@ pub fn run_bench(
                 dense_format: options.dense_format,
                 expert_activations: options.expert_activations,
                 mmap: options.mmap,
+                interleave_experts: options.backend == BackendChoice::Cpu,
                 prefetch: crate::model::PrefetchOptions {
                     enabled: prefetch,
                     proxy: options.prefetch_proxy,

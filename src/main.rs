@@ -107,6 +107,12 @@ impl ModelArgs {
     }
 
     fn load(&self) -> Result<Model> {
+        self.load_for(BackendChoice::Auto)
+    }
+
+    /// `load` for a session on `backend`: CPU-only runs get experts laid out for the CPU tier's
+    /// kernel.
+    fn load_for(&self, backend: BackendChoice) -> Result<Model> {
         let options = picchio::model::ModelOptions {
             ram_budget: self.ram_budget,
             hot_experts: true,
@@ -119,6 +125,7 @@ impl ModelArgs {
             dense_format: self.dense_format,
             expert_activations: self.expert_activations,
             mmap: self.mmap,
+            interleave_experts: backend == BackendChoice::Cpu,
             ..Default::default()
         };
         // Load errors name the file and tensor already.
@@ -239,6 +246,10 @@ impl PromptArgs {
 
     fn load(&self) -> Result<Model> {
         self.model.load()
+    }
+
+    fn load_for(&self, backend: BackendChoice) -> Result<Model> {
+        self.model.load_for(backend)
     }
 }
 
@@ -473,7 +484,7 @@ fn run(cli: Cli) -> Result<()> {
             top_logits,
             ignore_eos,
         } => {
-            let mut loaded = prompt.load()?;
+            let mut loaded = prompt.load_for(backend.into())?;
             // `--stats` reports every proxy's accuracy: they guess even without prefetch.
             loaded.prefetch.measure_accuracy = stats;
             let prompt_ids = prompt.prompt_ids();

@@ -243,16 +243,33 @@ impl TensorBytes {
     /// source is faulted in, copied and released, so the file's pages never all count in the
     /// resident memory at once.
     pub fn copy_to_memory(&self) -> std::io::Result<TensorBytes> {
+        self.copy_to_memory_then(|_| {})
+    }
+
+    /// `copy_to_memory`, with `change` applied to the copy before it becomes read-only.
+    pub fn copy_to_memory_then(
+        &self,
+        change: impl FnOnce(&mut [u8]),
+    ) -> std::io::Result<TensorBytes> {
         if self.range.is_empty() {
             return Ok(self.clone());
         }
-        let mut copies = TensorBytes::copy_all_to_memory(&[self])?;
+        let mut copies = TensorBytes::copy_all_then(&[self], change)?;
         Ok(copies.remove(0))
     }
 
     /// Copies of `parts`, back to back in one `huge_buffer` (as `copy_to_memory` makes them), so
     /// that `joined` can view neighbours as one tensor.
     pub fn copy_all_to_memory(parts: &[&TensorBytes]) -> std::io::Result<Vec<TensorBytes>> {
+        TensorBytes::copy_all_then(parts, |_| {})
+    }
+
+    /// `copy_all_to_memory`, with `change` applied to the whole buffer before it becomes
+    /// read-only.
+    fn copy_all_then(
+        parts: &[&TensorBytes],
+        change: impl FnOnce(&mut [u8]),
+    ) -> std::io::Result<Vec<TensorBytes>> {
         use rayon::prelude::*;
         const CHUNK: usize = 8 << 20;
         let mut starts = Vec::with_capacity(parts.len());
@@ -273,6 +290,7 @@ impl TensorBytes {
                     source.release();
                 });
         }
+        change(&mut buffer[..]);
         let whole = freeze(buffer)?;
         Ok(parts
             .iter()
@@ -636,6 +654,10 @@ pub struct Mxfp4Experts {
     pub blocks: TensorBytes,
     pub scales: TensorBytes,
     pub stride: ExpertStride,
+    /// Whether the whole runs of every row whose scales fold are interleaved for the CPU tier's
+    /// kernel (`cpu::simd::interleave_mxfp4_runs`); else the checkpoint's layout, which the GPU
+    /// tier reads.
+    pub interleaved: bool,
 }
 
 /// The packed bytes and the scale bytes of rows `range` of expert `e` (back to back), for 4-bit
@@ -672,7 +694,37 @@ impl Mxfp4Experts {
             blocks,
             scales,
             stride: ExpertStride::Contiguous,
+            interleaved: false,
         }
+    }
+
+    /// A copy in memory (huge pages) with every expert's whole runs interleaved for the CPU
+    /// tier's kernel (`cpu::simd::interleave_mxfp4_runs`); None where this process runs no kernel
+    /// over interleaved runs, or the experts do not lie one after the other.
+    pub fn interleaved_copy(&self) -> std::io::Result<Option<Mxfp4Experts>> {
+        use rayon::prelude::*;
+        let contiguous = matches!(self.stride, ExpertStride::Contiguous);
+        if self.interleaved || !contiguous || crate::cpu::simd::mxfp4_interleaved_dot().is_none() {
+            return Ok(None);
+        }
+        let scales = self.scales.copy_to_memory()?;
+        let groups = self.cols / 32;
+        // Every expert's rows lie back to back: interleaved in chunks of rows, in parallel.
+        const ROWS: usize = 1024;
+        let blocks = self.blocks.copy_to_memory_then(|bytes| {
+            bytes
+                .par_chunks_mut(ROWS * 16 * groups)
+                .zip(scales.bytes().par_chunks(ROWS * groups))
+                .for_each(|(packed, scales)| {
+                    crate::cpu::simd::interleave_mxfp4_runs(packed, scales, self.cols);
+                });
+        })?;
+        Ok(Some(Mxfp4Experts {
+            blocks,
+            scales,
+            interleaved: true,
+            ..self.clone()
+        }))
     }
 
     /// The packed bytes and scales of row `r` of expert `e`.
@@ -896,12 +948,15 @@ impl ExpertMatrices {
             bytes.slice(start..start + len)
         };
         match self {
-            ExpertMatrices::Mxfp4(m) => ExpertMatrices::Mxfp4(Mxfp4Experts::contiguous(
-                1,
-                (m.rows, m.cols),
-                at(&m.blocks, m.stride, w),
-                at(&m.scales, m.stride, s),
-            )),
+            ExpertMatrices::Mxfp4(m) => ExpertMatrices::Mxfp4(Mxfp4Experts {
+                interleaved: m.interleaved,
+                ..Mxfp4Experts::contiguous(
+                    1,
+                    (m.rows, m.cols),
+                    at(&m.blocks, m.stride, w),
+                    at(&m.scales, m.stride, s),
+                )
+            }),
             ExpertMatrices::Int4(m) => ExpertMatrices::Int4(Int4Experts::contiguous(
                 1,
                 (m.rows, m.cols),
@@ -1009,7 +1064,7 @@ impl ModelWeights {
     /// attention projections and the LM head; never the embeddings, read a row at a time) from
     /// the mapped checkpoint into huge-page memory, and drops the mapped pages. Returns the
     /// bytes copied. A converted expert store's experts stay mapped (they are read by record).
-    pub fn copy_to_memory(&mut self, dense: bool) -> Result<u64> {
+    pub fn copy_to_memory(&mut self, dense: bool, interleave_experts: bool) -> Result<u64> {
         let copied = std::cell::Cell::new(0u64);
         let copy_bytes = |t: &TensorBytes| {
             copied.set(copied.get() + t.bytes().len() as u64);
@@ -1038,14 +1093,26 @@ impl ModelWeights {
                 m.data = copy_bytes(&m.data).map_err(|e| Error::io(&what, e))?;
             }
             if copy_experts {
-                layer.gate_up = layer
-                    .gate_up
-                    .with_tensors(copy_bytes)
-                    .map_err(|e| Error::io(&what, e))?;
-                layer.down = layer
-                    .down
-                    .with_tensors(copy_bytes)
-                    .map_err(|e| Error::io(&what, e))?;
+                for m in [&mut layer.gate_up, &mut layer.down] {
+                    let interleaved = match &*m {
+                        ExpertMatrices::Mxfp4(x) if interleave_experts => {
+                            x.interleaved_copy().map_err(|e| Error::io(&what, e))?
+                        }
+                        _ => None,
+                    };
+                    *m = match interleaved {
+                        Some(x) => {
+                            copied.set(
+                                copied.get()
+                                    + (x.blocks.bytes().len() + x.scales.bytes().len()) as u64,
+                            );
+                            ExpertMatrices::Mxfp4(x)
+                        }
+                        None => m
+                            .with_tensors(copy_bytes)
+                            .map_err(|e| Error::io(&what, e))?,
+                    };
+                }
             }
         }
         if dense {

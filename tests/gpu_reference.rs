@@ -236,3 +236,26 @@ fn a_gpu_that_cannot_go_on_hands_over_to_the_cpu_tier() {
     let on_cpu = picchio::model::generate::generate(&model, &prompt, &opts).unwrap();
     assert_eq!(mixed.generated_ids, on_cpu.generated_ids);
 }
+
+#[test]
+fn experts_laid_out_for_the_cpu_tier_are_refused_by_the_gpu_tier() {
+    use picchio::model::{MmapMode, ModelOptions};
+    let Some(ctx) = gpu(None) else {
+        return;
+    };
+    if picchio::cpu::simd::mxfp4_interleaved_dot().is_none() {
+        return; // Nothing is interleaved on this CPU: the GPU tier reads every expert.
+    }
+    let dir = fixtures_dir().join("tiny-long");
+    let options = ModelOptions {
+        mmap: MmapMode::Off,
+        interleave_experts: true,
+        ..Default::default()
+    };
+    let model = Model::load_with(&dir, &options).unwrap();
+    let error = GpuModel::new(ctx, &model, gpu_options())
+        .err()
+        .expect("the GPU tier cannot read interleaved experts");
+    assert!(error.to_string().contains("CPU tier only"), "{error}");
+    assert!(model.cpu_only_mode().is_some());
+}

@@ -213,6 +213,72 @@ fn stacked_attention_projections_change_nothing() {
 }
 
 #[test]
+fn experts_interleaved_for_the_cpu_tier_change_nothing() {
+    use picchio::model::{MmapMode, ModelOptions};
+    use picchio::weights::ExpertMatrices;
+    let mut interleaved_any = false;
+    for dir in fixture_dirs() {
+        let load = |interleave_experts| {
+            let options = ModelOptions {
+                mmap: MmapMode::Off,
+                interleave_experts,
+                ..Default::default()
+            };
+            Model::load_with(&dir, &options).unwrap()
+        };
+        let (plain, interleaved) = (load(false), load(true));
+        let is_interleaved = |m: &Model| {
+            m.weights.layers.iter().any(|l| {
+                [&l.gate_up, &l.down]
+                    .iter()
+                    .any(|x| matches!(x, ExpertMatrices::Mxfp4(x) if x.interleaved))
+            })
+        };
+        assert!(!is_interleaved(&plain));
+        let runs_interleave = picchio::cpu::simd::mxfp4_interleaved_dot().is_some();
+        let mxfp4 = matches!(
+            interleaved.weights.layers[0].gate_up,
+            ExpertMatrices::Mxfp4(_)
+        );
+        assert_eq!(
+            is_interleaved(&interleaved),
+            runs_interleave && mxfp4,
+            "{}",
+            dir.display()
+        );
+        interleaved_any |= is_interleaved(&interleaved);
+        let reference = reference(&dir);
+        let out = generate(
+            &interleaved,
+            &reference.prompt_ids,
+            &greedy_options(reference.generated_ids.len()),
+        )
+        .unwrap();
+        assert_eq!(
+            out.generated_ids,
+            reference.generated_ids,
+            "{}",
+            dir.display()
+        );
+        let prompt = reference.prompt_ids;
+        for block in [prompt.len(), 1] {
+            assert_eq!(
+                run_in_blocks(&interleaved, &prompt, block, 8),
+                run_in_blocks(&plain, &prompt, block, 8),
+                "{}: blocks of {block}",
+                dir.display()
+            );
+        }
+    }
+    // Where the kernel runs, some fixture's experts have whole runs to interleave (tiny-long's
+    // gate_up rows are 128 inputs).
+    assert_eq!(
+        interleaved_any,
+        picchio::cpu::simd::mxfp4_interleaved_dot().is_some()
+    );
+}
+
+#[test]
 fn layout_does_not_change_results() {
     let src = fixtures_dir().join("tiny-single");
     let reference = reference(&src);

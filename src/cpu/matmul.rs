@@ -317,7 +317,12 @@ pub fn mxfp4_matmul(
     bias: Option<&[f32]>,
     out: &mut [f32],
 ) {
-    let kernel = super::simd::mxfp4_dot(super::simd::kernels());
+    let kernel = if w.interleaved {
+        super::simd::mxfp4_interleaved_dot()
+            .expect("experts are interleaved only where their kernel runs")
+    } else {
+        super::simd::mxfp4_dot(super::simd::kernels())
+    };
     packed_matmul(kernel, (w.rows, w.cols), xs, bias, out, |rows| {
         w.rows_of(expert, rows)
     });
@@ -333,6 +338,10 @@ pub fn mxfp4_q8_matmul(
     out: &mut [f32],
 ) {
     use super::q8_activations::{Q8Input, q8_kernel};
+    assert!(
+        !w.interleaved,
+        "the 8-bit input kernels read MXFP4 experts in the checkpoint's layout"
+    );
     let kernel = q8_kernel(super::simd::kernels());
     assert!(
         xs.len().is_multiple_of(w.cols),
