@@ -166,9 +166,12 @@ fn interleaved_decode(
     tokens: usize,
     min_head_bytes: usize,
 ) -> Result<Option<Interleaved>> {
+    if tokens == 0 {
+        return Ok(None);
+    }
     let head = model.head_weight_bytes();
     let head_bytes: usize = head.iter().map(|h| h.len()).sum();
-    if head_bytes < min_head_bytes || tokens == 0 {
+    if head_bytes < min_head_bytes {
         log::info!(
             "no interleaved bandwidth readings: the LM head ({head_bytes} bytes) is under twice the last-level cache"
         );

@@ -1102,11 +1102,9 @@ impl ModelWeights {
                     };
                     *m = match interleaved {
                         Some(x) => {
-                            copied.set(
-                                copied.get()
-                                    + (x.blocks.bytes().len() + x.scales.bytes().len()) as u64,
-                            );
-                            ExpertMatrices::Mxfp4(x)
+                            let x = ExpertMatrices::Mxfp4(x);
+                            copied.set(copied.get() + x.bytes() as u64);
+                            x
                         }
                         None => m
                             .with_tensors(copy_bytes)
@@ -1120,6 +1118,16 @@ impl ModelWeights {
                 copy_bytes(&self.lm_head.data).map_err(|e| Error::io("lm_head.weight", e))?;
         }
         Ok(copied.get())
+    }
+
+    /// Whether some layer's MXFP4 experts were laid out for the CPU tier's kernel
+    /// (`Mxfp4Experts::interleaved`), which the GPU tier cannot read.
+    pub fn experts_interleaved(&self) -> bool {
+        self.layers.iter().any(|l| {
+            [&l.gate_up, &l.down]
+                .iter()
+                .any(|m| matches!(m, ExpertMatrices::Mxfp4(x) if x.interleaved))
+        })
     }
 
     /// Bytes of every weight as the tiers hold them (matrices in their checkpoint format, norms,

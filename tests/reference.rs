@@ -17,23 +17,27 @@ const HIDDEN_ATOL: f32 = 1e-4;
 const HIDDEN_RTOL: f32 = 1e-4;
 const ROUTER_WEIGHT_ATOL: f32 = 1e-5;
 
+/// Asserts that `model` (loaded from fixture `dir`) decodes transformers' greedy tokens.
+fn assert_greedy_tokens(model: &Model, dir: &std::path::Path) {
+    let reference = reference(dir);
+    let out = generate(
+        model,
+        &reference.prompt_ids,
+        &greedy_options(reference.generated_ids.len()),
+    )
+    .unwrap();
+    assert_eq!(
+        out.generated_ids,
+        reference.generated_ids,
+        "{}",
+        dir.display()
+    );
+}
+
 #[test]
 fn greedy_tokens_match_transformers() {
     for dir in fixture_dirs() {
-        let model = Model::load(&dir).unwrap();
-        let reference = reference(&dir);
-        let out = generate(
-            &model,
-            &reference.prompt_ids,
-            &greedy_options(reference.generated_ids.len()),
-        )
-        .unwrap();
-        assert_eq!(
-            out.generated_ids,
-            reference.generated_ids,
-            "{}",
-            dir.display()
-        );
+        assert_greedy_tokens(&Model::load(&dir).unwrap(), &dir);
     }
 }
 
@@ -227,13 +231,7 @@ fn experts_interleaved_for_the_cpu_tier_change_nothing() {
             Model::load_with(&dir, &options).unwrap()
         };
         let (plain, interleaved) = (load(false), load(true));
-        let is_interleaved = |m: &Model| {
-            m.weights.layers.iter().any(|l| {
-                [&l.gate_up, &l.down]
-                    .iter()
-                    .any(|x| matches!(x, ExpertMatrices::Mxfp4(x) if x.interleaved))
-            })
-        };
+        let is_interleaved = |m: &Model| m.weights.experts_interleaved();
         assert!(!is_interleaved(&plain));
         let runs_interleave = picchio::cpu::simd::mxfp4_interleaved_dot().is_some();
         let mxfp4 = matches!(
@@ -247,20 +245,8 @@ fn experts_interleaved_for_the_cpu_tier_change_nothing() {
             dir.display()
         );
         interleaved_any |= is_interleaved(&interleaved);
-        let reference = reference(&dir);
-        let out = generate(
-            &interleaved,
-            &reference.prompt_ids,
-            &greedy_options(reference.generated_ids.len()),
-        )
-        .unwrap();
-        assert_eq!(
-            out.generated_ids,
-            reference.generated_ids,
-            "{}",
-            dir.display()
-        );
-        let prompt = reference.prompt_ids;
+        assert_greedy_tokens(&interleaved, &dir);
+        let prompt = reference(&dir).prompt_ids;
         for block in [prompt.len(), 1] {
             assert_eq!(
                 run_in_blocks(&interleaved, &prompt, block, 8),

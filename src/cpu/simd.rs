@@ -2651,29 +2651,18 @@ mod tests {
         assert_eq!(bits(&a), bits(&b), "tiles");
         let split = 4 * n / 2;
         let (scales_first, scales_second) = scales.split_at(4 * groups);
-        let (mut a, mut b) = (
-            [vec![0f32; 4], vec![0f32; 3]],
-            [vec![0f32; 4], vec![0f32; 3]],
-        );
-        let [a0, a1] = &mut a;
-        (interleaved.rows)(
-            [
-                (&moved[..split], scales_first),
-                (&moved[split..], scales_second),
-            ],
-            input,
-            [a0, a1],
-        );
-        let [b0, b1] = &mut b;
-        (folded.rows)(
-            [
-                (&blocks[..split], scales_first),
-                (&blocks[split..], scales_second),
-            ],
-            input,
-            [b0, b1],
-        );
-        assert_eq!(a.map(|v| bits(&v)), b.map(|v| bits(&v)), "decode rows");
+        let decode = |kernel: &PackedDot, bytes: &[u8]| {
+            let mut outs = [vec![0f32; 4], vec![0f32; 3]];
+            let [first, second] = &mut outs;
+            let runs = [
+                (&bytes[..split], scales_first),
+                (&bytes[split..], scales_second),
+            ];
+            (kernel.rows)(runs, input, [first, second]);
+            outs.map(|v| bits(&v))
+        };
+        let (a, b) = (decode(&interleaved, &moved), decode(&folded, &blocks));
+        assert_eq!(a, b, "decode rows");
     }
 
     #[test]

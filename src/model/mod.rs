@@ -57,9 +57,6 @@ pub struct Model {
     pub expert_activations: crate::cpu::q8_activations::ExpertActivations,
     /// Whether the weights a token reads were copied into memory (`MmapMode`).
     pub weights_in_memory: bool,
-    /// Whether MXFP4 experts were laid out for the CPU tier's kernel
-    /// (`ModelOptions::interleave_experts`), which the GPU tier cannot read.
-    pub experts_interleaved: bool,
     /// Per proxy (A, B): experts predicted right, and experts to predict.
     prediction: [(std::sync::atomic::AtomicU64, std::sync::atomic::AtomicU64); 2],
 }
@@ -277,23 +274,17 @@ impl Model {
         }
         let mut ram_budget = options.ram_budget;
         let weights_in_memory = copies_weights(options, &weights);
-        let mut experts_interleaved = false;
         if weights_in_memory {
             let started = std::time::Instant::now();
             let interleave = options.interleave_experts
                 && options.expert_activations
                     == crate::cpu::q8_activations::ExpertActivations::Exact;
             let bytes = weights.copy_to_memory(q8.is_none(), interleave)?;
-            experts_interleaved = weights.layers.iter().any(|l| {
-                [&l.gate_up, &l.down]
-                    .iter()
-                    .any(|m| matches!(m, crate::weights::ExpertMatrices::Mxfp4(x) if x.interleaved))
-            });
             log::info!(
                 "weights copied into memory ({:.2} GB) in {:.1} s{}",
                 bytes as f64 / 1e9,
                 started.elapsed().as_secs_f64(),
-                if experts_interleaved {
+                if weights.experts_interleaved() {
                     ", MXFP4 experts laid out for the CPU tier's kernel"
                 } else {
                     ""
@@ -331,7 +322,6 @@ impl Model {
             q8,
             expert_activations: options.expert_activations,
             weights_in_memory,
-            experts_interleaved,
             prediction: Default::default(),
         })
     }
@@ -344,7 +334,7 @@ impl Model {
             Some("--dense-format q8")
         } else if self.expert_activations == crate::cpu::q8_activations::ExpertActivations::Q8 {
             Some("--expert-activations q8")
-        } else if self.experts_interleaved {
+        } else if self.weights.experts_interleaved() {
             Some("a model loaded for --backend cpu (experts laid out for the CPU tier's kernel)")
         } else {
             None
