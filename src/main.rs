@@ -100,10 +100,11 @@ struct ModelArgs {
 
 impl ModelArgs {
     /// `load`, for chatting: the checkpoint's tokenizer.json (when it has one) must agree with
-    /// o200k_harmony's special tokens.
+    /// o200k_harmony's special tokens. Chat sessions run on the CPU tier (`ChatSession`), so
+    /// the experts get its layout.
     fn load_for_chat(&self) -> Result<Model> {
         picchio::chat::tokenizer::Tokenizer::check_checkpoint(&self.model)?;
-        self.load()
+        self.load_for(BackendChoice::Cpu)
     }
 
     fn load(&self) -> Result<Model> {

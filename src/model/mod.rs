@@ -335,7 +335,7 @@ impl Model {
         } else if self.expert_activations == crate::cpu::q8_activations::ExpertActivations::Q8 {
             Some("--expert-activations q8")
         } else if self.weights.experts_interleaved() {
-            Some("a model loaded for --backend cpu (experts laid out for the CPU tier's kernel)")
+            Some("a model loaded for the CPU tier (experts laid out for its kernel)")
         } else {
             None
         }
