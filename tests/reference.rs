@@ -155,6 +155,20 @@ fn run_in_blocks(model: &Model, prompt: &[u32], block: usize, steps: usize) -> V
     all
 }
 
+/// Asserts that `model` and `other` give the same logits (bit for bit) on the fixture's prompt,
+/// run whole and one position at a time, then over 8 greedy tokens.
+fn assert_same_outputs(model: &Model, other: &Model, dir: &std::path::Path) {
+    let prompt = reference(dir).prompt_ids;
+    for block in [prompt.len(), 1] {
+        assert_eq!(
+            run_in_blocks(model, &prompt, block, 8),
+            run_in_blocks(other, &prompt, block, 8),
+            "{}: blocks of {block}",
+            dir.display()
+        );
+    }
+}
+
 #[test]
 fn batched_prefill_equals_one_token_at_a_time() {
     for dir in fixture_dirs() {
@@ -204,15 +218,7 @@ fn stacked_attention_projections_change_nothing() {
             );
         }
         assert!(mapped.weights.layers.iter().all(|l| l.qkv().is_none()));
-        let prompt = reference(&dir).prompt_ids;
-        for block in [prompt.len(), 1] {
-            assert_eq!(
-                run_in_blocks(&copied, &prompt, block, 8),
-                run_in_blocks(&mapped, &prompt, block, 8),
-                "{}: blocks of {block}",
-                dir.display()
-            );
-        }
+        assert_same_outputs(&copied, &mapped, &dir);
     }
 }
 
@@ -246,15 +252,7 @@ fn experts_interleaved_for_the_cpu_tier_change_nothing() {
         );
         interleaved_any |= is_interleaved(&interleaved);
         assert_greedy_tokens(&interleaved, &dir);
-        let prompt = reference(&dir).prompt_ids;
-        for block in [prompt.len(), 1] {
-            assert_eq!(
-                run_in_blocks(&interleaved, &prompt, block, 8),
-                run_in_blocks(&plain, &prompt, block, 8),
-                "{}: blocks of {block}",
-                dir.display()
-            );
-        }
+        assert_same_outputs(&interleaved, &plain, &dir);
     }
     // Where the kernel runs, some fixture's experts have whole runs to interleave (tiny-long's
     // gate_up rows are 128 inputs).

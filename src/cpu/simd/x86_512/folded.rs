@@ -99,12 +99,21 @@ impl<'a> Row<'a> {
     /// A row of a matrix whose folding rows have interleaved runs where `INTERLEAVED`, else in
     /// the checkpoint's layout.
     fn new<const INTERLEAVED: bool>(packed: &'a [u8], scales: &'a [u8]) -> Row<'a> {
+        Row::folding_where::<INTERLEAVED>(packed, scales, folds(scales))
+    }
+
+    /// `new`, with whether the scales fold known already (`folds(scales)`, or true where every
+    /// scale of a larger set that holds them folds).
+    fn folding_where<const INTERLEAVED: bool>(
+        packed: &'a [u8],
+        scales: &'a [u8],
+        folds: bool,
+    ) -> Row<'a> {
         let groups = packed.len() / 16;
         assert!(
             packed.len() == 16 * groups && scales.len() == groups,
             "an MXFP4 row holds 16 bytes and one scale per group"
         );
-        let folds = folds(scales);
         Row {
             packed,
             scales,
@@ -470,13 +479,8 @@ pub unsafe fn dot_mxfp4_rows<const INTERLEAVED: bool>(
     let row = |k: usize, r: usize| {
         let (blocks, scales, all_fold) = row_sets[k];
         let scales = &scales[r * groups..(r + 1) * groups];
-        let folds = all_fold || folds(scales);
-        Row {
-            packed: &blocks[16 * r * groups..16 * (r + 1) * groups],
-            scales,
-            folds,
-            interleaved: INTERLEAVED && folds,
-        }
+        let packed = &blocks[16 * r * groups..16 * (r + 1) * groups];
+        Row::folding_where::<INTERLEAVED>(packed, scales, all_fold || folds(scales))
     };
     let [first, second] = outs;
     let paired = first.len().min(second.len());
@@ -640,12 +644,7 @@ pub unsafe fn mxfp4_tile<const INTERLEAVED: bool>(
     out: &mut [f32],
 ) {
     assert!(rows.len() <= TILE_ROWS);
-    let mut tile = [Row {
-        packed: &[],
-        scales: &[],
-        folds: true,
-        interleaved: false,
-    }; TILE_ROWS];
+    let mut tile = [Row::folding_where::<false>(&[], &[], true); TILE_ROWS];
     for (slot, &(packed, scales)) in tile.iter_mut().zip(rows) {
         *slot = Row::new::<INTERLEAVED>(packed, scales);
     }
