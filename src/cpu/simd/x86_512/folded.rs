@@ -346,6 +346,31 @@ unsafe fn folded_runs<const T: usize>(
     *sums = acc;
 }
 
+/// Group `g` of a row, in the checkpoint's layout, as its even and odd weights: scaled where the
+/// row folds, else the plain FP4 values (the caller scales their sum).
+///
+/// # Safety
+/// AVX-512 F/BW/VL and VBMI; group g exists (`g < row.groups()`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
+#[inline]
+unsafe fn single_group_weights(
+    row: Row,
+    g: usize,
+    tables: &[ScaledTable; 256],
+) -> (__m512, __m512) {
+    // The unscaled values: the table of scale 2^0.
+    let scale = if row.folds { row.scales[g] } else { 127 };
+    // Safety: group g's 16 bytes exist (the caller's guarantee); the table holds 16 floats.
+    unsafe {
+        let codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(row.packed.as_ptr().add(16 * g).cast()));
+        let table = _mm512_load_ps(tables[scale as usize].0.as_ptr());
+        (
+            _mm512_permutexvar_ps(codes, table),
+            _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(codes), table),
+        )
+    }
+}
+
 /// Adds groups `groups` of a row times `T` inputs to `sums`, one group at a time: through the
 /// folded tables where the row folds, else through the plain table with the group's sum scaled.
 ///
@@ -361,25 +386,10 @@ unsafe fn single_groups<const T: usize>(
 ) {
     assert!(groups.end <= row.groups() && xs.iter().all(|x| x.len() == 32 * row.groups()));
     let tables = &scaled_tables().floats;
-    // The unscaled values: the table of scale 2^0.
-    let plain = &tables[127];
     for g in groups {
         let scale = row.scales[g];
-        let table = if row.folds {
-            &tables[scale as usize]
-        } else {
-            plain
-        };
-        // Safety: group g's 16 bytes exist (asserted above); the table holds 16 floats.
-        let (low, high) = unsafe {
-            let codes =
-                _mm512_cvtepu8_epi32(_mm_loadu_si128(row.packed.as_ptr().add(16 * g).cast()));
-            let table = _mm512_load_ps(table.0.as_ptr());
-            (
-                _mm512_permutexvar_ps(codes, table),
-                _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(codes), table),
-            )
-        };
+        // Safety: group g exists (asserted above).
+        let (low, high) = unsafe { single_group_weights(row, g, tables) };
         for (a, x) in sums.iter_mut().zip(&xs) {
             // Safety: group g's 32 inputs are in bounds (asserted above).
             let (even, odd) = unsafe {
@@ -562,18 +572,18 @@ unsafe fn pair_run(
     (*first, *second) = (first_sums, second_sums);
 }
 
-/// The running sums of `N` interleaved folding rows times one input over their whole runs, as
-/// `folded_runs` adds them: each run's four groups of every row decoded first, then each input
-/// vector loaded once and multiplied into every row. Four rows keep their 16 group vectors and 8
-/// sums in registers; on AMD Zen 5, 8.5-8.7 cycles per row and run in L2 against 9.0-9.2 for two
-/// pairs decoded as floats one pair after the other (fewer input loads, and the multiply-adds of
-/// four rows to interleave), and about 3% faster from memory.
+/// `N` interleaved folding rows times one input, each bit-identical to `row_dots`: the whole
+/// runs as `folded_runs` adds them (each run's four groups of every row decoded first, then each
+/// input vector loaded once and multiplied into every row), then the groups after them, then the
+/// sums reduced. Four rows keep their 16 group vectors and 8 sums in registers. On AMD Zen 5, in
+/// L2: 7.6-7.7 cycles per row and run, against 9.0-9.2 for two pairs decoded as floats one pair
+/// after the other with each row's last groups and sum done apart (18% of the time went there).
 ///
 /// # Safety
 /// As `folded_runs`, for every row; every row folds and is interleaved.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
 #[inline]
-unsafe fn interleaved_sums<const N: usize>(rows: [Row; N], x: &[f32]) -> Sums<N> {
+unsafe fn interleaved_dots<const N: usize>(rows: [Row; N], x: &[f32]) -> [f32; N] {
     let groups = rows[0].groups();
     assert!(rows.iter().all(|r| r.groups() == groups && r.interleaved) && x.len() == 32 * groups);
     let tables = &scaled_tables().words;
@@ -596,11 +606,27 @@ unsafe fn interleaved_sums<const N: usize>(rows: [Row; N], x: &[f32]) -> Sums<N>
             }
         }
     }
-    sums
+    // The groups after the last whole run, in the checkpoint's layout, as `single_groups` adds
+    // them.
+    let floats = &scaled_tables().floats;
+    for g in 4 * (groups / 4)..groups {
+        // Safety: group g's 32 inputs are in bounds (asserted above).
+        let (even, odd) = unsafe {
+            let x = x.as_ptr().add(32 * g);
+            (_mm512_loadu_ps(x), _mm512_loadu_ps(x.add(16)))
+        };
+        for (s, row) in sums.iter_mut().zip(rows) {
+            // Safety: group g exists in every row (asserted above).
+            let (low, high) = unsafe { single_group_weights(row, g, floats) };
+            s[0] = _mm512_fmadd_ps(low, even, s[0]);
+            s[1] = _mm512_fmadd_ps(high, odd, s[1]);
+        }
+    }
+    reduce(&sums)
 }
 
 /// `P` pairs of rows times one input, each row bit-identical to `row_dots`. Where all fold,
-/// interleaved rows go through `interleaved_sums` all together; rows in the checkpoint's layout
+/// interleaved rows go through `interleaved_dots` all together; rows in the checkpoint's layout
 /// go through each run pair by pair, a pair's two rows side by side (each input vector loaded
 /// once for both, four sums in flight: one row's two would leave each multiply-add waiting on
 /// the one before; decoding more than two rows' floats at once would spill them from registers).
@@ -629,20 +655,24 @@ unsafe fn rows_dots<const P: usize, const INTERLEAVED: bool>(
     // Every row folds, so every row is interleaved where the matrix is: one loop per layout,
     // each row's two sums a local of its own (sums in an array indexed by pair went through
     // memory at every run: 14.2 cycles per row and run in L2 against 7.8-9.1 on AMD Zen 5).
-    let zero = [_mm512_setzero_ps(); 2];
-    let sums = if INTERLEAVED {
+    if INTERLEAVED {
         let [a, b] = pairs[0];
         let [c, d] = pairs[P - 1];
         // Safety: the caller's guarantees; every row folds, so is interleaved.
-        unsafe {
+        let rows_dots = unsafe {
             if P == 2 {
-                interleaved_sums([a, b, c, d], x)
+                interleaved_dots([a, b, c, d], x)
             } else {
-                let [a, b] = interleaved_sums([a, b], x);
-                [a, b, zero, zero]
+                let [a, b] = interleaved_dots([a, b], x);
+                [a, b, a, b]
             }
-        }
-    } else {
+        };
+        dots[0] = [rows_dots[0], rows_dots[1]];
+        dots[P - 1] = [rows_dots[2 * P - 2], rows_dots[2 * P - 1]];
+        return dots;
+    }
+    let zero = [_mm512_setzero_ps(); 2];
+    let sums = {
         let tables = scaled_tables();
         let (mut a, mut b, mut c, mut d) = (zero, zero, zero, zero);
         for run in 0..groups / 4 {
