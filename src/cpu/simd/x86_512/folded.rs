@@ -653,8 +653,9 @@ unsafe fn rows_dots<const P: usize, const INTERLEAVED: bool>(
     assert!(pairs.iter().flatten().all(|r| r.groups() == groups) && x.len() == 32 * groups);
     const { assert!(P <= 2, "more than two pairs spill") };
     // Every row folds, so every row is interleaved where the matrix is: one loop per layout,
-    // each row's two sums a local of its own (sums in an array indexed by pair went through
-    // memory at every run: 14.2 cycles per row and run in L2 against 7.8-9.1 on AMD Zen 5).
+    // every sum in a register (an array of sums indexed by a loop over pairs went through memory
+    // at every run: 14.2 cycles per row and run in L2 against 7.8-9.1 on AMD Zen 5; the
+    // interleaved loop's array is indexed by constants once its loops over rows unroll).
     if INTERLEAVED {
         let [a, b] = pairs[0];
         let [c, d] = pairs[P - 1];
