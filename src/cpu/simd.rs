@@ -270,6 +270,34 @@ pub(crate) fn rows_with<X: ?Sized>(
     }
 }
 
+/// Decode's order over two runs of consecutive rows (`PackedDot::rows`): rows r and r + 1 of
+/// both runs in one call of `four` (its outputs: row r of the first run, of the second, row r +
+/// 1 of the first, of the second), the last row of an odd count of pairs through `two` (row r
+/// of each run), then the rows one run has beyond the other's through `one` (run, row).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn in_fours(
+    [first, second]: [&mut [f32]; 2],
+    four: impl Fn(usize) -> [f32; 4],
+    two: impl Fn(usize) -> [f32; 2],
+    one: impl Fn(usize, usize) -> f32,
+) {
+    let paired = first.len().min(second.len());
+    let mut r = 0;
+    while r + 1 < paired {
+        [first[r], second[r], first[r + 1], second[r + 1]] = four(r);
+        r += 2;
+    }
+    for r in r..paired {
+        [first[r], second[r]] = two(r);
+    }
+    for (k, out) in [first, second].into_iter().enumerate() {
+        for (r, y) in out.iter_mut().enumerate().skip(paired) {
+            *y = one(k, r);
+        }
+    }
+}
+
 /// A `PackedTile` of `dot_each` row by row.
 fn tile_with(dot_each: PackedDotEach, rows: &[(&[u8], &[u8])], xs: &[&[f32]], out: &mut [f32]) {
     for ((packed, scales), sums) in rows.iter().zip(out.chunks_exact_mut(xs.len())) {
@@ -1431,26 +1459,15 @@ mod x86 {
                 ),
             )
         };
-        let [first, second] = outs;
-        let paired = first.len().min(second.len());
-        let mut r = 0;
-        while r + 1 < paired {
-            let rows = [row(0, r), row(1, r), row(0, r + 1), row(1, r + 1)];
-            // Safety: the caller's guarantees.
-            let [a, b, c, d] = unsafe { rows_dots::<FORMAT, 4>(rows, x) };
-            (first[r], second[r], first[r + 1], second[r + 1]) = (a, b, c, d);
-            r += 2;
-        }
-        for r in r..paired {
-            // Safety: the caller's guarantees.
-            [first[r], second[r]] = unsafe { rows_dots::<FORMAT, 2>([row(0, r), row(1, r)], x) };
-        }
-        for (k, out) in [first, second].into_iter().enumerate() {
-            for (r, y) in out.iter_mut().enumerate().skip(paired) {
-                // Safety: the caller's guarantees.
-                *y = unsafe { rows_dots::<FORMAT, 1>([row(k, r)], x)[0] };
-            }
-        }
+        // Safety (each): the caller's guarantees.
+        super::in_fours(
+            outs,
+            |r| unsafe {
+                rows_dots::<FORMAT, 4>([row(0, r), row(1, r), row(0, r + 1), row(1, r + 1)], x)
+            },
+            |r| unsafe { rows_dots::<FORMAT, 2>([row(0, r), row(1, r)], x) },
+            |k, r| unsafe { rows_dots::<FORMAT, 1>([row(k, r)], x)[0] },
+        );
     }
 
     /// # Safety

@@ -514,29 +514,19 @@ pub unsafe fn dot_mxfp4_rows<const INTERLEAVED: bool>(
         let packed = &blocks[16 * r * groups..16 * (r + 1) * groups];
         Row::folding_where::<INTERLEAVED>(packed, scales, all_fold || folds(scales))
     };
-    let [first, second] = outs;
-    let paired = first.len().min(second.len());
     // Rows i and i + 1 of both runs per pass (two pairs: 18% more from memory than one on AMD
     // Zen 5; three or four spill), then the last row of an odd count as one pair.
-    let mut r = 0;
-    while r + 1 < paired {
-        let pairs = [[row(0, r), row(1, r)], [row(0, r + 1), row(1, r + 1)]];
-        // Safety: the caller's guarantees.
-        let [[a, b], [c, d]] = unsafe { rows_dots::<2, INTERLEAVED>(pairs, x) };
-        (first[r], second[r], first[r + 1], second[r + 1]) = (a, b, c, d);
-        r += 2;
-    }
-    for r in r..paired {
-        // Safety: the caller's guarantees.
-        let [[a, b]] = unsafe { rows_dots::<1, INTERLEAVED>([[row(0, r), row(1, r)]], x) };
-        (first[r], second[r]) = (a, b);
-    }
-    for (k, out) in [first, second].into_iter().enumerate() {
-        for (r, y) in out.iter_mut().enumerate().skip(paired) {
-            // Safety: the caller's guarantees.
-            *y = unsafe { row_dots(row(k, r), [x])[0] };
-        }
-    }
+    // Safety (each): the caller's guarantees.
+    super::super::in_fours(
+        outs,
+        |r| {
+            let pairs = [[row(0, r), row(1, r)], [row(0, r + 1), row(1, r + 1)]];
+            let [[a, b], [c, d]] = unsafe { rows_dots::<2, INTERLEAVED>(pairs, x) };
+            [a, b, c, d]
+        },
+        |r| unsafe { rows_dots::<1, INTERLEAVED>([[row(0, r), row(1, r)]], x)[0] },
+        |k, r| unsafe { row_dots(row(k, r), [x])[0] },
+    );
 }
 
 /// Run `run` of two folding rows in the checkpoint's layout times `x`, added to each row's two
