@@ -154,22 +154,22 @@ unsafe fn run_weights(row: Row, c: usize, tables: &Tables) -> [__m512; 8] {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
 #[inline]
 unsafe fn checkpoint_run_weights(row: Row, c: usize, tables: &[ScaledTable; 256]) -> [__m512; 8] {
-    let (p, s) = (row.packed.as_ptr(), row.scales.as_ptr());
-    prefetch_ahead(p.wrapping_add(64 * c), 64);
-    // Safety: RUN_TRANSPOSE holds 64 bytes; run c's 64 bytes and 4 scales exist (the caller's
-    // guarantee); a scale byte indexes one of the 256 tables. (The one closure only computes
-    // addresses: closures calling intrinsics would not inherit the target features.)
+    // Safety: run c exists (the caller's guarantee).
+    let [t0, t1, t2, t3] = unsafe { run_tables(row, c, tables) }.map(|t| t.0.as_ptr());
+    // Safety: RUN_TRANSPOSE holds 64 bytes; run c's 64 bytes exist (the caller's guarantee); each
+    // table holds 16 floats.
     unsafe {
         let transpose = _mm512_loadu_si512(RUN_TRANSPOSE.as_ptr().cast());
-        let words = _mm512_permutexvar_epi8(transpose, _mm512_loadu_si512(p.add(64 * c).cast()));
-        // The run's four scale bytes in one load, each picked out of the register (on AMD Zen 5,
-        // 14% faster than four byte loads).
-        let four = s.add(4 * c).cast::<u32>().read_unaligned();
-        let table = |k: u32| tables[((four >> (8 * k)) & 0xff) as usize].0.as_ptr();
-        let t0 = _mm512_load_ps(table(0));
-        let t1 = _mm512_load_ps(table(1));
-        let t2 = _mm512_load_ps(table(2));
-        let t3 = _mm512_load_ps(table(3));
+        let words = _mm512_permutexvar_epi8(
+            transpose,
+            _mm512_loadu_si512(row.packed.as_ptr().add(64 * c).cast()),
+        );
+        let (t0, t1, t2, t3) = (
+            _mm512_load_ps(t0),
+            _mm512_load_ps(t1),
+            _mm512_load_ps(t2),
+            _mm512_load_ps(t3),
+        );
         [
             _mm512_permutexvar_ps(words, t0),
             _mm512_permutexvar_ps(_mm512_srli_epi32::<4>(words), t0),
@@ -213,26 +213,38 @@ unsafe fn interleaved_run_weights(row: Row, c: usize, tables: &[WordTable; 256])
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vbmi,avx2,fma,f16c")]
 #[inline]
 unsafe fn interleaved_run_groups(row: Row, c: usize, tables: &[WordTable; 256]) -> [__m512i; 4] {
-    let (p, s) = (row.packed.as_ptr(), row.scales.as_ptr());
-    prefetch_ahead(p.wrapping_add(64 * c), 64);
-    // Safety: run c's 64 bytes and 4 scales exist (the caller's guarantee); a scale byte indexes
-    // one of the 256 tables.
+    // Safety: run c exists (the caller's guarantee).
+    let [t0, t1, t2, t3] = unsafe { run_tables(row, c, tables) }.map(|t| t.0.as_ptr().cast());
+    // Safety: run c's 64 bytes exist (the caller's guarantee); each table holds 32 words.
     unsafe {
-        let words = _mm512_loadu_si512(p.add(64 * c).cast());
-        let four = s.add(4 * c).cast::<u32>().read_unaligned();
-        let table = |k: u32| {
-            tables[((four >> (8 * k)) & 0xff) as usize]
-                .0
-                .as_ptr()
-                .cast()
-        };
+        let words = _mm512_loadu_si512(row.packed.as_ptr().add(64 * c).cast());
         [
-            _mm512_permutexvar_epi16(words, _mm512_load_si512(table(0))),
-            _mm512_permutexvar_epi16(_mm512_srli_epi16::<4>(words), _mm512_load_si512(table(1))),
-            _mm512_permutexvar_epi16(_mm512_srli_epi16::<8>(words), _mm512_load_si512(table(2))),
-            _mm512_permutexvar_epi16(_mm512_srli_epi16::<12>(words), _mm512_load_si512(table(3))),
+            _mm512_permutexvar_epi16(words, _mm512_load_si512(t0)),
+            _mm512_permutexvar_epi16(_mm512_srli_epi16::<4>(words), _mm512_load_si512(t1)),
+            _mm512_permutexvar_epi16(_mm512_srli_epi16::<8>(words), _mm512_load_si512(t2)),
+            _mm512_permutexvar_epi16(_mm512_srli_epi16::<12>(words), _mm512_load_si512(t3)),
         ]
     }
+}
+
+/// The tables of run `c`'s four scale bytes, the run's bytes ahead prefetched. The four bytes
+/// come in one load, each picked out of the register (on AMD Zen 5, 14% faster than four byte
+/// loads).
+///
+/// # Safety
+/// Run c's four scale bytes exist (`4 * c + 4 <= row.scales.len()`).
+#[inline(always)]
+unsafe fn run_tables<'t, T>(row: Row, c: usize, tables: &'t [T; 256]) -> [&'t T; 4] {
+    prefetch_ahead(row.packed.as_ptr().wrapping_add(64 * c), 64);
+    // Safety: the caller's guarantee.
+    let four = unsafe {
+        row.scales
+            .as_ptr()
+            .add(4 * c)
+            .cast::<u32>()
+            .read_unaligned()
+    };
+    [0, 1, 2, 3].map(|k| &tables[((four >> (8 * k)) & 0xff) as usize])
 }
 
 /// A group's even weights as floats: the lower words of its bf16 pairs, shifted up.
