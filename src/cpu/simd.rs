@@ -1227,13 +1227,8 @@ mod x86 {
         );
         let mut acc = *totals;
         for g in groups {
-            let at = row.format.bytes_per_group() * g;
-            if at.is_multiple_of(64) {
-                prefetch_ahead(row.bytes.as_ptr().wrapping_add(at), 64);
-            }
             // Safety: group g exists (asserted above).
-            let w = unsafe { group_weights(row, g) };
-            let scale = _mm256_set1_ps(group_scale(row, g));
+            let (w, scale) = unsafe { scaled_group(row, g) };
             for (total, x) in acc.iter_mut().zip(&xs) {
                 // Safety: the group's 32 inputs are in bounds (asserted above).
                 let inputs = unsafe { group_inputs(x, g) };
@@ -1241,6 +1236,23 @@ mod x86 {
             }
         }
         *totals = acc;
+    }
+
+    /// Group `g` of `row`: its weights (`group_weights`) and its scale in every lane, with the
+    /// row's bytes ahead prefetched at each cache line's first group.
+    ///
+    /// # Safety
+    /// AVX2; group g exists (`g < row.groups()`).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn scaled_group(row: GroupRow, g: usize) -> ([__m256; 4], __m256) {
+        let at = row.format.bytes_per_group() * g;
+        if at.is_multiple_of(64) {
+            prefetch_ahead(row.bytes.as_ptr().wrapping_add(at), 64);
+        }
+        // Safety: the caller's guarantee.
+        let w = unsafe { group_weights(row, g) };
+        (w, _mm256_set1_ps(group_scale(row, g)))
     }
 
     /// Group `g`'s 32 inputs of `x` as 4 vectors.
@@ -1300,13 +1312,8 @@ mod x86 {
             // Safety: group g's inputs are in bounds (asserted above).
             let inputs = unsafe { group_inputs(x, g) };
             for (total, row) in totals.iter_mut().zip(rows) {
-                let at = row.format.bytes_per_group() * g;
-                if at.is_multiple_of(64) {
-                    prefetch_ahead(row.bytes.as_ptr().wrapping_add(at), 64);
-                }
                 // Safety: group g exists (asserted above).
-                let w = unsafe { group_weights(row, g) };
-                let scale = _mm256_set1_ps(group_scale(row, g));
+                let (w, scale) = unsafe { scaled_group(row, g) };
                 *total = _mm256_fmadd_ps(group_sum(w, inputs), scale, *total);
             }
         }
