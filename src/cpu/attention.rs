@@ -1,5 +1,8 @@
 //! Causal attention with per-head sinks and optional sliding window, for one query position.
 
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
 /// Heads layout shared by the attention kernels.
 #[derive(Debug, Clone, Copy)]
 pub struct HeadLayout {
@@ -94,7 +97,13 @@ fn attend_group_on<'a>(
     match kernels.min(super::simd::detect()) {
         // Safety (each): `detect()` found the features the function enables.
         #[cfg(target_arch = "x86_64")]
-        super::simd::CpuKernels::Avx512 => unsafe { attend_group_avx512(group, keys, kv, out) },
+        super::simd::CpuKernels::Avx512 => unsafe {
+            if avx512::takes(group.layout.head_dim) && !keys.is_empty() {
+                avx512::attend_group(group, keys, kv, out)
+            } else {
+                attend_group_avx512(group, keys, kv, out)
+            }
+        },
         #[cfg(target_arch = "x86_64")]
         super::simd::CpuKernels::Avx2 => unsafe { attend_group_avx2(group, keys, kv, out) },
         // NEON and fused multiply-adds are part of every aarch64 CPU: the portable build is
@@ -145,6 +154,21 @@ unsafe fn attend_group_avx2<'a>(
     attend_group_with::<true>(group, keys, kv, out)
 }
 
+/// The group's queries transposed, one lane per head: `query[p * d + c][l]` is element c of head
+/// 8 p + l of the group (zero in lanes past the group's heads).
+fn transposed_query(group: &Group) -> Vec<[f32; HEAD_LANES]> {
+    let (d, per_group) = (group.layout.head_dim, group.layout.heads_per_kv_head());
+    let mut query = vec![[0f32; HEAD_LANES]; per_group.div_ceil(HEAD_LANES) * d];
+    for i in 0..per_group {
+        let (p, l) = (i / HEAD_LANES, i % HEAD_LANES);
+        let head = group.g * per_group + i;
+        for (c, &x) in group.q[head * d..(head + 1) * d].iter().enumerate() {
+            query[p * d + c][l] = x;
+        }
+    }
+    query
+}
+
 /// `a * b + c`, rounded once where `FUSED` (the SIMD builds, which have the instruction), twice
 /// in the portable build (where `mul_add` would be a slow library call).
 #[inline(always)]
@@ -163,22 +187,14 @@ fn attend_group_with<'a, const FUSED: bool>(
     let Group {
         layout,
         g,
-        q,
         sinks,
         scaling,
+        ..
     } = group;
     let (d, per_group) = (layout.head_dim, layout.heads_per_kv_head());
     let passes = per_group.div_ceil(HEAD_LANES);
     let head = |i: usize| g * per_group + i;
-    // The group's queries transposed, one lane per head: query[p * d + c][l] is element c of
-    // head 8 p + l (zero in lanes past the group's heads).
-    let mut query = vec![[0f32; HEAD_LANES]; passes * d];
-    for i in 0..per_group {
-        let (p, l) = (i / HEAD_LANES, i % HEAD_LANES);
-        for (c, &x) in q[head(i) * d..(head(i) + 1) * d].iter().enumerate() {
-            query[p * d + c][l] = x;
-        }
-    }
+    let query = transposed_query(&group);
     // scores[j * passes + p][l]: key j with head 8 p + l.
     let count = keys.clone().count();
     let mut scores = vec![[0f32; HEAD_LANES]; count * passes];
@@ -261,34 +277,39 @@ fn attend_group_with<'a, const FUSED: bool>(
 /// subnormal and is 0; from 88.38 (of 88.72 where f32 overflows) it is infinite; NaN stays NaN.
 #[inline(always)]
 fn exp(x: f32) -> f32 {
-    const LOG2_E: f32 = std::f32::consts::LOG2_E;
-    // ln 2 in two parts, the first with few enough bits that n times it is exact.
-    const LN2_HIGH: f32 = 0.693_359_4;
-    const LN2_LOW: f32 = -2.121_944_4e-4;
-    // Adding 1.5 * 2^23 rounds to an integer, which the low bits of the sum then hold.
-    const ROUND: f32 = 12_582_912.0;
-    const LOWEST: f32 = -87.336_55; // ln 2^-126
-    const HIGHEST: f32 = 88.5; // n = 128: 2^n is infinite
-    let clamped = if x > HIGHEST { HIGHEST } else { x };
-    let shifted = clamped * LOG2_E + ROUND;
-    let n = shifted - ROUND;
+    let clamped = if x > EXP_HIGHEST { EXP_HIGHEST } else { x };
+    let shifted = clamped * std::f32::consts::LOG2_E + EXP_ROUND;
+    let n = shifted - EXP_ROUND;
     let r = (clamped - n * LN2_HIGH) - n * LN2_LOW;
-    let mut p = 1.987_569_1e-4;
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        0.166_666_65,
-        0.5,
-    ] {
+    let mut p = EXP_POLYNOMIAL[0];
+    for &c in &EXP_POLYNOMIAL[1..] {
         p = p * r + c;
     }
     let e_r = (p * r) * r + r + 1.0;
-    let n_bits = shifted.to_bits().wrapping_sub(ROUND.to_bits());
+    let n_bits = shifted.to_bits().wrapping_sub(EXP_ROUND.to_bits());
     let e = e_r * f32::from_bits(n_bits.wrapping_add(127) << 23);
-    let keep = if x < LOWEST { 0 } else { u32::MAX };
+    let keep = if x < EXP_LOWEST { 0 } else { u32::MAX };
     f32::from_bits(e.to_bits() & keep)
 }
+
+/// ln 2 in two parts (`exp`), the first with few enough bits that n times it is exact.
+const LN2_HIGH: f32 = 0.693_359_4;
+const LN2_LOW: f32 = -2.121_944_4e-4;
+/// Adding 1.5 * 2^23 rounds to an integer, which the low bits of the sum then hold.
+const EXP_ROUND: f32 = 12_582_912.0;
+/// ln 2^-126: below it `exp` is 0.
+const EXP_LOWEST: f32 = -87.336_55;
+/// n = 128 past it: 2^n is infinite.
+const EXP_HIGHEST: f32 = 88.5;
+/// e^r - 1 - r = r^2 (c0 r^5 + c1 r^4 + ... + c5), Cephes' `expf` coefficients.
+const EXP_POLYNOMIAL: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    0.166_666_65,
+    0.5,
+];
 
 #[cfg(test)]
 mod tests {
@@ -420,7 +441,9 @@ mod tests {
         // GPT-OSS's grouping (8 query heads per kv head), one that fills part of the lanes and
         // one that takes two passes; keys from one to past the prefetch distance; sinks that
         // win and sinks that vanish; head sizes with and without a tail.
-        for (num_heads, num_kv_heads, head_dim) in [(16, 2, 64), (6, 2, 12), (24, 1, 20)] {
+        for (num_heads, num_kv_heads, head_dim) in
+            [(16, 2, 64), (6, 2, 12), (24, 1, 20), (12, 1, 32)]
+        {
             let layout = HeadLayout {
                 num_heads,
                 num_kv_heads,
@@ -428,8 +451,8 @@ mod tests {
             };
             let kvd = num_kv_heads * head_dim;
             let value = |i: usize, seed: usize| ((i * seed + 11) % 97) as f32 * 0.02 - 0.97;
-            let keys: Vec<f32> = (0..40 * kvd).map(|i| value(i, 31)).collect();
-            let values: Vec<f32> = (0..40 * kvd).map(|i| value(i, 57)).collect();
+            let keys: Vec<f32> = (0..150 * kvd).map(|i| value(i, 31)).collect();
+            let values: Vec<f32> = (0..150 * kvd).map(|i| value(i, 57)).collect();
             let q: Vec<f32> = (0..num_heads * head_dim).map(|i| value(i, 13)).collect();
             let sinks: Vec<f32> = (0..num_heads)
                 .map(|h| [0.3, 5.0, -1e4, -0.7][h % 4])
@@ -453,7 +476,8 @@ mod tests {
                     || (k < detect() && detect() != CpuKernels::Neon)
             };
             for kernels in levels.into_iter().filter(|&k| has(k)) {
-                for range in [0..=0, 3..=9, 0..=39] {
+                // Past one block of the AVX-512 kernel's value loop (64 keys) too.
+                for range in [0..=0, 3..=9, 0..=39, 5..=149] {
                     let width = layout.heads_per_kv_head() * head_dim;
                     let mut grouped = vec![0f32; num_heads * head_dim];
                     for (g, out) in grouped.chunks_exact_mut(width).enumerate() {
@@ -490,6 +514,72 @@ mod tests {
                         "{kernels:?}, {layout:?}, keys {range:?}: max |error| {} at {worst} (got {}, \
                          want {})",
                         errors[worst], grouped[worst], alone[worst]
+                    );
+                }
+            }
+        }
+    }
+
+    /// The AVX-512 kernel adds the same products in the same order as the lanes code compiled
+    /// for AVX-512, so every output has the same bits: GPT-OSS's grouping, and a group of 12
+    /// heads (two passes, the second partly filled); one key, an odd count, several value blocks.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_avx512_kernel_gives_the_lanes_codes_bits() {
+        if crate::cpu::simd::detect() < crate::cpu::simd::CpuKernels::Avx512 {
+            eprintln!("skipped: this CPU has no AVX-512");
+            return;
+        }
+        for (num_heads, num_kv_heads, head_dim) in [(64, 8, 64), (12, 1, 32), (8, 2, 96)] {
+            let layout = HeadLayout {
+                num_heads,
+                num_kv_heads,
+                head_dim,
+            };
+            let kvd = num_kv_heads * head_dim;
+            // Irregular values with a spread of magnitudes, so that summation order would show.
+            let value = |i: usize, seed: u32| {
+                let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed);
+                ((x >> 8) as f32 / 16_777_216.0 - 0.5) * (1 << (x % 5)) as f32
+            };
+            let positions = 200;
+            let keys: Vec<f32> = (0..positions * kvd).map(|i| value(i, 3)).collect();
+            let values: Vec<f32> = (0..positions * kvd).map(|i| value(i, 7)).collect();
+            let q: Vec<f32> = (0..num_heads * head_dim).map(|i| value(i, 11)).collect();
+            let sinks: Vec<f32> = (0..num_heads).map(|h| value(h, 13)).collect();
+            let kv = |j: usize| {
+                (
+                    &keys[j * kvd..(j + 1) * kvd],
+                    &values[j * kvd..(j + 1) * kvd],
+                )
+            };
+            let width = layout.heads_per_kv_head() * head_dim;
+            for range in [7..=7, 0..=8, 3..=199] {
+                for g in 0..num_kv_heads {
+                    let group = Group {
+                        layout,
+                        g,
+                        q: &q,
+                        sinks: &sinks,
+                        scaling: 0.125,
+                    };
+                    let (mut lanes, mut kernel) = (vec![0f32; width], vec![0f32; width]);
+                    // Safety (both): the CPU has AVX-512 (checked above).
+                    unsafe {
+                        attend_group_avx512(group, range.clone(), &kv, &mut lanes);
+                        avx512::attend_group(group, range.clone(), &kv, &mut kernel);
+                    }
+                    let differ = (0..width)
+                        .filter(|&i| lanes[i].to_bits() != kernel[i].to_bits())
+                        .collect::<Vec<_>>();
+                    assert!(
+                        differ.is_empty(),
+                        "{layout:?}, group {g}, keys {range:?}: {} of {width} values differ, first at \
+                         {} (lanes {}, kernel {})",
+                        differ.len(),
+                        differ[0],
+                        lanes[differ[0]],
+                        kernel[differ[0]]
                     );
                 }
             }
