@@ -40,7 +40,12 @@ pub fn attend<'a>(
         .enumerate()
         .take(layout.num_kv_heads)
     {
-        attend_group(layout, g, q, keys.clone(), &kv, sinks, scaling, out);
+        let d = layout.head_dim;
+        let head = |j: usize| {
+            let (k, v) = kv(j);
+            (&k[g * d..(g + 1) * d], &v[g * d..(g + 1) * d])
+        };
+        attend_group(layout, g, q, keys.clone(), &head, sinks, scaling, out);
     }
 }
 
@@ -60,7 +65,8 @@ const PREFETCH_KEYS: usize = 8;
 const HEAD_LANES: usize = 8;
 
 /// The query heads of kv head `g` in `attend`: their outputs `out` (`heads_per_kv_head *
-/// head_dim` values), from `q` and `sinks` of every head. The group's heads go together, so that
+/// head_dim` values), from `q` and `sinks` of every head, and kv head g's key and value at each
+/// position `j` of `keys` from `kv(j)` (`head_dim` values each). The group's heads go together, so that
 /// each key and value is read once for all of them (the cache a long context holds no longer
 /// fits near the core), with the heads in SIMD lanes: each key element times every head's query
 /// element in one multiply-add, then the softmax of all heads' scores at once. Every position,
@@ -201,9 +207,9 @@ fn attend_group_with<'a, const FUSED: bool>(
     let last = *keys.end();
     for (j, row) in keys.clone().zip(scores.chunks_exact_mut(passes)) {
         if j + PREFETCH_KEYS <= last {
-            super::simd::prefetch(&kv(j + PREFETCH_KEYS).0[g * d..(g + 1) * d]);
+            super::simd::prefetch(kv(j + PREFETCH_KEYS).0);
         }
-        let key = &kv(j).0[g * d..(g + 1) * d];
+        let key = kv(j).0;
         for (scores, query) in row.iter_mut().zip(query.chunks_exact(d)) {
             // Running sums of elements c mod 8: enough independent multiply-adds in flight to
             // cover each one's latency.
@@ -253,9 +259,9 @@ fn attend_group_with<'a, const FUSED: bool>(
     out.fill(0.0);
     for (j, row) in keys.zip(scores.chunks_exact(passes)) {
         if j + PREFETCH_KEYS <= last {
-            super::simd::prefetch(&kv(j + PREFETCH_KEYS).1[g * d..(g + 1) * d]);
+            super::simd::prefetch(kv(j + PREFETCH_KEYS).1);
         }
-        let value = &kv(j).1[g * d..(g + 1) * d];
+        let value = kv(j).1;
         for (i, o) in out.chunks_exact_mut(d).enumerate() {
             let e = row[i / HEAD_LANES][i % HEAD_LANES];
             for (o, &v) in o.iter_mut().zip(value) {
@@ -488,7 +494,12 @@ mod tests {
                             sinks: &sinks,
                             scaling: 0.125,
                         };
-                        attend_group_on(kernels, group, range.clone(), &kv, out);
+                        let head = |j: usize| {
+                            let (k, v) = kv(j);
+                            let at = g * head_dim..(g + 1) * head_dim;
+                            (&k[at.clone()], &v[at])
+                        };
+                        attend_group_on(kernels, group, range.clone(), &head, out);
                     }
                     let mut alone = vec![0f32; num_heads * head_dim];
                     for (h, oh) in alone.chunks_exact_mut(head_dim).enumerate() {
@@ -564,10 +575,15 @@ mod tests {
                         scaling: 0.125,
                     };
                     let (mut lanes, mut kernel) = (vec![0f32; width], vec![0f32; width]);
+                    let head = |j: usize| {
+                        let (k, v) = kv(j);
+                        let at = g * head_dim..(g + 1) * head_dim;
+                        (&k[at.clone()], &v[at])
+                    };
                     // Safety (both): the CPU has AVX-512 (checked above).
                     unsafe {
-                        attend_group_avx512(group, range.clone(), &kv, &mut lanes);
-                        avx512::attend_group(group, range.clone(), &kv, &mut kernel);
+                        attend_group_avx512(group, range.clone(), &head, &mut lanes);
+                        avx512::attend_group(group, range.clone(), &head, &mut kernel);
                     }
                     let differ = (0..width)
                         .filter(|&i| lanes[i].to_bits() != kernel[i].to_bits())

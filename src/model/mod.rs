@@ -622,14 +622,15 @@ impl Model {
         let mut out = vec![0f32; n * qd];
         {
             let cache = &*cache;
-            let (k, v) = (&k, &v);
-            // Keys of the block come from this call, older ones from the cache.
-            let kv = |j: usize| -> (&[f32], &[f32]) {
+            let (k, v, d) = (&k, &v, cfg.head_dim);
+            // Kv head g's key and value at position j: from this call for the block's own
+            // positions, from the cache for older ones.
+            let kv = |j: usize, g: usize| -> (&[f32], &[f32]) {
                 if j >= start {
-                    let t = j - start;
-                    (&k[t * kvd..(t + 1) * kvd], &v[t * kvd..(t + 1) * kvd])
+                    let at = (j - start) * kvd + g * d;
+                    (&k[at..at + d], &v[at..at + d])
                 } else {
-                    cache.get(l, j)
+                    cache.get(l, j, g)
                 }
             };
             // One task per (position, kv head): decode has one position but several kv heads,
@@ -646,7 +647,7 @@ impl Model {
                         g,
                         &q[t * qd..(t + 1) * qd],
                         keys,
-                        &kv,
+                        &|j| kv(j, g),
                         &layer.sinks,
                         scaling,
                         out,

@@ -71,12 +71,13 @@ pub(super) unsafe fn attend_group<'a>(
         rows.clear();
         rows.extend(keys.map(|j| {
             let (k, v) = kv(j);
-            [
-                k[g * d..(g + 1) * d].as_ptr(),
-                v[g * d..(g + 1) * d].as_ptr(),
-            ]
+            assert!(
+                k.len() == d && v.len() == d,
+                "a head's key and value hold d values"
+            );
+            [k.as_ptr(), v.as_ptr()]
         }));
-        // Safety (both): each pointer starts a row of d values (sliced above) that lives as
+        // Safety (both): each pointer starts a row of d values (checked above) that lives as
         // long as `kv`'s slices, past this call (the pointers stay behind in the scratch
         // vector, never read again: the next call clears them first).
         let key = |t: usize| unsafe { std::slice::from_raw_parts(rows[t][0], d) };
