@@ -56,8 +56,9 @@ impl HeadLayout {
     }
 }
 
-/// Keys ahead of the one being read whose rows `attend_group` asks the cache for: a head's rows
-/// lie a whole position apart, a stride the hardware prefetchers follow late.
+/// Keys ahead of the one being read whose rows `attend_group` asks the cache for: the block's own
+/// keys lie a whole position apart, and the cache's come in chunks of 64 positions, strides and
+/// jumps the hardware prefetchers follow late.
 const PREFETCH_KEYS: usize = 8;
 
 /// Query heads scored side by side, one per lane: GPT-OSS and Qwen3-MoE have 8 per kv head (a
@@ -66,11 +67,11 @@ const HEAD_LANES: usize = 8;
 
 /// The query heads of kv head `g` in `attend`: their outputs `out` (`heads_per_kv_head *
 /// head_dim` values), from `q` and `sinks` of every head, and kv head g's key and value at each
-/// position `j` of `keys` from `kv(j)` (`head_dim` values each). The group's heads go together, so that
-/// each key and value is read once for all of them (the cache a long context holds no longer
-/// fits near the core), with the heads in SIMD lanes: each key element times every head's query
-/// element in one multiply-add, then the softmax of all heads' scores at once. Every position,
-/// batch and group sums in the same order, so prefill and decode give the same bits.
+/// position `j` of `keys` from `kv(j)` (`head_dim` values each). The group's heads go together,
+/// so that each key and value is read once for all of them (the cache a long context holds no
+/// longer fits near the core), with the heads in SIMD lanes: each key element times every head's
+/// query element in one multiply-add, then the softmax of all heads' scores at once. Every
+/// position, batch and group sums in the same order, so prefill and decode give the same bits.
 #[allow(clippy::too_many_arguments)]
 pub fn attend_group<'a>(
     layout: HeadLayout,
@@ -278,9 +279,10 @@ fn attend_group_with<'a, const FUSED: bool>(
 }
 
 /// e^x within 1 ulp (0.98 at worst over the range, by test), branch-free so that loops of it
-/// vectorize (libm's `expf` is a call per value): x = n ln 2 + r with |r| <= ln 2 / 2, e^r by a degree-7 polynomial (Cephes' `expf`
-/// coefficients), 2^n put straight into the exponent bits. Below ln 2^-126 the result would be
-/// subnormal and is 0; from 88.38 (of 88.72 where f32 overflows) it is infinite; NaN stays NaN.
+/// vectorize (libm's `expf` is a call per value): x = n ln 2 + r with |r| <= ln 2 / 2, e^r by a
+/// degree-7 polynomial (Cephes' `expf` coefficients), 2^n put straight into the exponent bits.
+/// Below ln 2^-126 the result would be subnormal and is 0; from 88.38 (of 88.72 where f32
+/// overflows) it is infinite; NaN stays NaN.
 #[inline(always)]
 fn exp(x: f32) -> f32 {
     let clamped = if x > EXP_HIGHEST { EXP_HIGHEST } else { x };
@@ -532,8 +534,9 @@ mod tests {
     }
 
     /// The AVX-512 kernel adds the same products in the same order as the lanes code compiled
-    /// for AVX-512, so every output has the same bits: GPT-OSS's grouping, and a group of 12
-    /// heads (two passes, the second partly filled); one key, an odd count, several value blocks.
+    /// for AVX-512, so every output has the same bits: GPT-OSS's grouping, groups of 12 heads
+    /// (two passes, the second partly filled) and of 4; one key, an odd count, several value
+    /// blocks.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_avx512_kernel_gives_the_lanes_codes_bits() {
@@ -541,7 +544,9 @@ mod tests {
             eprintln!("skipped: this CPU has no AVX-512");
             return;
         }
-        for (num_heads, num_kv_heads, head_dim) in [(64, 8, 64), (12, 1, 32), (8, 2, 96)] {
+        for (num_heads, num_kv_heads, head_dim) in
+            [(64, 8, 64), (12, 1, 32), (8, 2, 96), (4, 1, 32)]
+        {
             let layout = HeadLayout {
                 num_heads,
                 num_kv_heads,
@@ -557,7 +562,11 @@ mod tests {
             let keys: Vec<f32> = (0..positions * kvd).map(|i| value(i, 3)).collect();
             let values: Vec<f32> = (0..positions * kvd).map(|i| value(i, 7)).collect();
             let q: Vec<f32> = (0..num_heads * head_dim).map(|i| value(i, 11)).collect();
-            let sinks: Vec<f32> = (0..num_heads).map(|h| value(h, 13)).collect();
+            // Sinks that vanish and sinks that win (scores' exponentials below the range of
+            // `exp`: 0) too.
+            let sinks: Vec<f32> = (0..num_heads)
+                .map(|h| [value(h, 13), -1e4, 1e4][h % 3])
+                .collect();
             let kv = |j: usize| {
                 (
                     &keys[j * kvd..(j + 1) * kvd],
@@ -574,7 +583,9 @@ mod tests {
                         sinks: &sinks,
                         scaling: 0.125,
                     };
-                    let (mut lanes, mut kernel) = (vec![0f32; width], vec![0f32; width]);
+                    // The kernel's output starts as NaN: it must write every value before reading
+                    // it back.
+                    let (mut lanes, mut kernel) = (vec![0f32; width], vec![f32::NAN; width]);
                     let head = |j: usize| {
                         let (k, v) = kv(j);
                         let at = g * head_dim..(g + 1) * head_dim;
@@ -590,8 +601,8 @@ mod tests {
                         .collect::<Vec<_>>();
                     assert!(
                         differ.is_empty(),
-                        "{layout:?}, group {g}, keys {range:?}: {} of {width} values differ, first at \
-                         {} (lanes {}, kernel {})",
+                        "{layout:?}, group {g}, keys {range:?}: {} of {width} values differ, first \
+                         at {} (lanes {}, kernel {})",
                         differ.len(),
                         differ[0],
                         lanes[differ[0]],

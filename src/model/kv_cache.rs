@@ -148,12 +148,16 @@ impl KvCache {
 mod tests {
     use super::*;
 
-    #[test]
-    fn each_head_reads_back_what_was_stored_across_chunks_and_rings() {
+    /// Stores 200 positions of two layers (one sliding with a ring of `window`, one full) in
+    /// blocks of one position and of many, and reads every position each layer still holds back
+    /// for every kv head.
+    fn check_reads_back(window: usize) {
         let cfg = Config::from_json(
-            r#"{"hidden_size": 24, "num_attention_heads": 6, "num_key_value_heads": 3,
-                "head_dim": 4, "num_hidden_layers": 2, "sliding_window": 5,
-                "layer_types": ["sliding_attention", "full_attention"]}"#,
+            &format!(
+                r#"{{"hidden_size": 24, "num_attention_heads": 6, "num_key_value_heads": 3,
+                    "head_dim": 4, "num_hidden_layers": 2, "sliding_window": {window},
+                    "layer_types": ["sliding_attention", "full_attention"]}}"#
+            ),
             std::path::Path::new("config.json"),
         )
         .unwrap();
@@ -163,8 +167,7 @@ mod tests {
             (((l * 1000 + p) * 10 + h) * 10 + i) as f32 + which as f32 * 0.5
         };
         let mut cache = KvCache::new(&cfg, 400);
-        // Blocks of one position and of many, across chunk boundaries (64 slots) and past the
-        // sliding layer's ring of 5 within one block.
+        // Across chunk boundaries (64 slots), and past the ring within one block.
         for n in [1, 7, 64, 3, 100, 1, 24] {
             let start = cache.len();
             for l in 0..2 {
@@ -181,7 +184,7 @@ mod tests {
             }
             cache.advance(n);
             let end = cache.len();
-            for (l, first_held) in [(0, end.saturating_sub(5)), (1, 0)] {
+            for (l, first_held) in [(0, end.saturating_sub(window)), (1, 0)] {
                 for p in first_held..end {
                     for h in 0..heads {
                         let (k, v) = cache.get(l, p, h);
@@ -199,5 +202,23 @@ mod tests {
             }
         }
         assert_eq!(cache.len(), 200);
+        // Within a chunk, a head's rows follow each other.
+        for p in (0..199).filter(|p| p % CHUNK_SLOTS != CHUNK_SLOTS - 1) {
+            for h in 0..heads {
+                let (this, next) = (cache.get(1, p, h).0, cache.get(1, p + 1, h).0);
+                assert_eq!(
+                    this.as_ptr().wrapping_add(d),
+                    next.as_ptr(),
+                    "position {p}, head {h}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn each_head_reads_back_what_was_stored_across_chunks_and_rings() {
+        // A ring inside one chunk, and one over two chunks that is not a whole number of them.
+        check_reads_back(5);
+        check_reads_back(100);
     }
 }

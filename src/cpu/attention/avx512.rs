@@ -21,8 +21,9 @@ use super::{
 /// Dimensions per value pass: two 512-bit registers of sums per head.
 const VALUE_WIDTH: usize = 32;
 
-/// Keys per block of the value loop: their rows' `VALUE_WIDTH` slices (8 KiB at 64 keys and
-/// two slices) stay in L1 from the first slice's pass to the second's.
+/// Keys per block of the value loop: the block's value rows are prefetched whole as its first
+/// slice's pass starts, and the passes over its other slices (and over a group's other heads)
+/// find them in L1 (64 rows of 256 bytes at head size 64: 16 KiB).
 const VALUE_BLOCK: usize = 64;
 
 /// Whether `attend_group` takes this shape: whole 8-element steps for the scores and whole
@@ -32,8 +33,9 @@ pub(super) fn takes(head_dim: usize) -> bool {
 }
 
 /// A thread's scratch for one call: the scores, and where each key's row and value row of the
-/// group start (asked of `kv` once per key). At 4096 keys 128 KiB each, which a fresh allocation
-/// per call would map and fault in anew.
+/// group start (asked of `kv` once per key). At 4096 keys 128 and 64 KiB, which a fresh
+/// allocation per call would map and fault in anew. Taken out of the thread's slot for the call
+/// and put back after it (a call nested in `kv` would find an empty one and allocate its own).
 #[derive(Default)]
 struct Scratch {
     scores: Vec<[f32; HEAD_LANES]>,
@@ -41,7 +43,7 @@ struct Scratch {
 }
 
 std::thread_local! {
-    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+    static SCRATCH: std::cell::Cell<Scratch> = std::cell::Cell::new(Scratch::default());
 }
 
 /// `super::attend_group_with` for a head size `takes` accepts and a non-empty key range.
@@ -67,7 +69,9 @@ pub(super) unsafe fn attend_group<'a>(
     let passes = per_group.div_ceil(HEAD_LANES);
     let query = paired_query(&transposed_query(&group));
     let count = keys.clone().count();
-    SCRATCH.with_borrow_mut(|Scratch { scores, rows }| {
+    let mut scratch = SCRATCH.take();
+    {
+        let Scratch { scores, rows } = &mut scratch;
         rows.clear();
         rows.extend(keys.map(|j| {
             let (k, v) = kv(j);
@@ -176,7 +180,8 @@ pub(super) unsafe fn attend_group<'a>(
                 *o /= denominator;
             }
         }
-    });
+    }
+    SCRATCH.set(scratch);
 }
 
 /// The group's queries with element pairs in lanes: `query[p * d / 2 + c / 2]` holds elements c
@@ -195,7 +200,7 @@ fn paired_query(query: &[[f32; HEAD_LANES]]) -> Vec<[f32; 2 * HEAD_LANES]> {
 /// u in lane u % 2 of register u / 2), added pairwise, times `scaling`.
 ///
 /// # Safety
-/// AVX-512 F and FMA; every key holds `2 * query.len()` values, a multiple of 8.
+/// AVX-512 F and VL, AVX2 and FMA; every key holds `2 * query.len()` values, a multiple of 8.
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
 #[inline]
 unsafe fn key_scores<const KB: usize>(
