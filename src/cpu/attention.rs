@@ -40,11 +40,7 @@ pub fn attend<'a>(
         .enumerate()
         .take(layout.num_kv_heads)
     {
-        let d = layout.head_dim;
-        let head = |j: usize| {
-            let (k, v) = kv(j);
-            (&k[g * d..(g + 1) * d], &v[g * d..(g + 1) * d])
-        };
+        let head = head_rows(&kv, g, layout.head_dim);
         attend_group(layout, g, q, keys.clone(), &head, sinks, scaling, out);
     }
 }
@@ -131,6 +127,44 @@ struct Group<'q> {
     scaling: f32,
 }
 
+impl Group<'_> {
+    /// The sinks of pass p's heads, one per lane (zero in lanes past the group's heads).
+    fn pass_sinks(&self, p: usize) -> [f32; HEAD_LANES] {
+        let per_group = self.layout.heads_per_kv_head();
+        std::array::from_fn(|l| {
+            let i = p * HEAD_LANES + l;
+            if i < per_group {
+                self.sinks[self.g * per_group + i]
+            } else {
+                0.0
+            }
+        })
+    }
+}
+
+/// Each head's output row of `out` (`d` values) divided by its softmax denominator (lane `h %
+/// 8` of pass `h / 8`).
+fn divide_by_denominators(out: &mut [f32], d: usize, denominators: &[[f32; HEAD_LANES]]) {
+    for (i, o) in out.chunks_exact_mut(d).enumerate() {
+        let denominator = denominators[i / HEAD_LANES][i % HEAD_LANES];
+        for o in o {
+            *o /= denominator;
+        }
+    }
+}
+
+/// Kv head g's rows (`d` values each) of a `kv` that gives every kv head's at a position.
+fn head_rows<'a>(
+    kv: &impl Fn(usize) -> (&'a [f32], &'a [f32]),
+    g: usize,
+    d: usize,
+) -> impl Fn(usize) -> (&'a [f32], &'a [f32]) {
+    move |j| {
+        let (k, v) = kv(j);
+        (&k[g * d..(g + 1) * d], &v[g * d..(g + 1) * d])
+    }
+}
+
 /// `attend_group_with` compiled for AVX-512 (16 lanes a vector, fused multiply-adds).
 ///
 /// # Safety
@@ -192,15 +226,10 @@ fn attend_group_with<'a, const FUSED: bool>(
     out: &mut [f32],
 ) {
     let Group {
-        layout,
-        g,
-        sinks,
-        scaling,
-        ..
+        layout, scaling, ..
     } = group;
     let (d, per_group) = (layout.head_dim, layout.heads_per_kv_head());
     let passes = per_group.div_ceil(HEAD_LANES);
-    let head = |i: usize| g * per_group + i;
     let query = transposed_query(&group);
     // scores[j * passes + p][l]: key j with head 8 p + l.
     let count = keys.clone().count();
@@ -240,10 +269,7 @@ fn attend_group_with<'a, const FUSED: bool>(
     // The softmax of each head with its sink, all heads in lanes: scores become exponentials.
     let mut denominators = vec![[0f32; HEAD_LANES]; passes];
     for (p, denominator) in denominators.iter_mut().enumerate() {
-        let sink: [f32; HEAD_LANES] = std::array::from_fn(|l| {
-            let i = p * HEAD_LANES + l;
-            if i < per_group { sinks[head(i)] } else { 0.0 }
-        });
+        let sink = group.pass_sinks(p);
         let mut max = sink;
         for row in scores.iter().skip(p).step_by(passes) {
             // NaN never wins, as with f32::max.
@@ -270,12 +296,7 @@ fn attend_group_with<'a, const FUSED: bool>(
             }
         }
     }
-    for (i, o) in out.chunks_exact_mut(d).enumerate() {
-        let denominator = denominators[i / HEAD_LANES][i % HEAD_LANES];
-        for o in o {
-            *o /= denominator;
-        }
-    }
+    divide_by_denominators(out, d, &denominators);
 }
 
 /// e^x within 1 ulp (0.98 at worst over the range, by test), branch-free so that loops of it
@@ -496,11 +517,7 @@ mod tests {
                             sinks: &sinks,
                             scaling: 0.125,
                         };
-                        let head = |j: usize| {
-                            let (k, v) = kv(j);
-                            let at = g * head_dim..(g + 1) * head_dim;
-                            (&k[at.clone()], &v[at])
-                        };
+                        let head = head_rows(&kv, g, head_dim);
                         attend_group_on(kernels, group, range.clone(), &head, out);
                     }
                     let mut alone = vec![0f32; num_heads * head_dim];
@@ -586,11 +603,7 @@ mod tests {
                     // The kernel's output starts as NaN: it must write every value before reading
                     // it back.
                     let (mut lanes, mut kernel) = (vec![0f32; width], vec![f32::NAN; width]);
-                    let head = |j: usize| {
-                        let (k, v) = kv(j);
-                        let at = g * head_dim..(g + 1) * head_dim;
-                        (&k[at.clone()], &v[at])
-                    };
+                    let head = head_rows(&kv, g, head_dim);
                     // Safety (both): the CPU has AVX-512 (checked above).
                     unsafe {
                         attend_group_avx512(group, range.clone(), &head, &mut lanes);

@@ -15,7 +15,7 @@ use std::arch::x86_64::*;
 
 use super::{
     EXP_HIGHEST, EXP_LOWEST, EXP_POLYNOMIAL, EXP_ROUND, Group, HEAD_LANES, LN2_HIGH, LN2_LOW,
-    PREFETCH_KEYS, transposed_query,
+    PREFETCH_KEYS, divide_by_denominators, transposed_query,
 };
 
 /// Dimensions per value pass: two 512-bit registers of sums per head.
@@ -58,11 +58,7 @@ pub(super) unsafe fn attend_group<'a>(
     out: &mut [f32],
 ) {
     let Group {
-        layout,
-        g,
-        sinks,
-        scaling,
-        ..
+        layout, scaling, ..
     } = group;
     let (d, per_group) = (layout.head_dim, layout.heads_per_kv_head());
     assert!(takes(d) && !keys.is_empty() && out.len() == per_group * d);
@@ -113,14 +109,7 @@ pub(super) unsafe fn attend_group<'a>(
         // The softmax of each pass's heads with their sinks: scores become exponentials.
         let mut denominators = vec![[0f32; HEAD_LANES]; passes];
         for (p, denominator) in denominators.iter_mut().enumerate() {
-            let sink: [f32; HEAD_LANES] = std::array::from_fn(|l| {
-                let i = p * HEAD_LANES + l;
-                if i < per_group {
-                    sinks[g * per_group + i]
-                } else {
-                    0.0
-                }
-            });
+            let sink = group.pass_sinks(p);
             // Safety (each): the arrays hold 8 floats.
             let sink = unsafe { _mm256_loadu_ps(sink.as_ptr()) };
             let mut max = sink;
@@ -174,12 +163,7 @@ pub(super) unsafe fn attend_group<'a>(
                 }
             }
         }
-        for (i, o) in out.chunks_exact_mut(d).enumerate() {
-            let denominator = denominators[i / HEAD_LANES][i % HEAD_LANES];
-            for o in o {
-                *o /= denominator;
-            }
-        }
+        divide_by_denominators(out, d, &denominators);
     }
     SCRATCH.set(scratch);
 }
