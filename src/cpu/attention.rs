@@ -1,6 +1,8 @@
 //! Causal attention with per-head sinks and optional sliding window, for one query position.
 
 #[cfg(target_arch = "x86_64")]
+mod avx2;
+#[cfg(target_arch = "x86_64")]
 mod avx512;
 
 /// Heads layout shared by the attention kernels.
@@ -108,7 +110,13 @@ fn attend_group_on<'a>(
             }
         },
         #[cfg(target_arch = "x86_64")]
-        super::simd::CpuKernels::Avx2 => unsafe { attend_group_avx2(group, keys, kv, out) },
+        super::simd::CpuKernels::Avx2 => unsafe {
+            if avx2::takes(group.layout.head_dim) && !keys.is_empty() {
+                avx2::attend_group(group, keys, kv, out)
+            } else {
+                attend_group_avx2(group, keys, kv, out)
+            }
+        },
         // NEON and fused multiply-adds are part of every aarch64 CPU: the portable build is
         // already vectorized.
         #[cfg(target_arch = "aarch64")]
@@ -550,20 +558,58 @@ mod tests {
         }
     }
 
-    /// The AVX-512 kernel adds the same products in the same order as the lanes code compiled
-    /// for AVX-512, so every output has the same bits: GPT-OSS's grouping, groups of 12 heads
-    /// (two passes, the second partly filled) and of 4; one key, an odd count, several value
-    /// blocks.
+    /// Each intrinsics kernel adds the same products in the same order as the lanes code
+    /// compiled for its CPU level, so every output has the same bits: GPT-OSS's grouping, groups
+    /// of 12 heads (two passes, the second partly filled), of 4 and of 6 (a partly filled quad
+    /// of the AVX2 kernel's value loop); one key, an odd count, several value blocks.
     #[cfg(target_arch = "x86_64")]
     #[test]
-    fn the_avx512_kernel_gives_the_lanes_codes_bits() {
-        if crate::cpu::simd::detect() < crate::cpu::simd::CpuKernels::Avx512 {
-            eprintln!("skipped: this CPU has no AVX-512");
-            return;
+    fn the_intrinsics_kernels_give_the_lanes_codes_bits() {
+        use crate::cpu::simd::{CpuKernels, detect};
+        let kernels: [(CpuKernels, Kernel, Kernel); 2] = [
+            (
+                CpuKernels::Avx2,
+                |g, r, kv, o| unsafe { attend_group_avx2(g, r, &kv, o) },
+                |g, r, kv, o| unsafe { avx2::attend_group(g, r, &kv, o) },
+            ),
+            (
+                CpuKernels::Avx512,
+                |g, r, kv, o| unsafe { attend_group_avx512(g, r, &kv, o) },
+                |g, r, kv, o| unsafe { avx512::attend_group(g, r, &kv, o) },
+            ),
+        ];
+        for (level, lanes_code, kernel) in kernels {
+            if detect() < level {
+                eprintln!("skipped {level:?}: this CPU lacks it");
+                continue;
+            }
+            bits_of_lanes_code_and_kernel(level, lanes_code, kernel);
         }
-        for (num_heads, num_kv_heads, head_dim) in
-            [(64, 8, 64), (12, 1, 32), (8, 2, 96), (4, 1, 32)]
-        {
+    }
+
+    /// One `attend_group` build, as the bits test calls it.
+    #[cfg(target_arch = "x86_64")]
+    type Kernel = for<'a, 'k> unsafe fn(
+        Group,
+        std::ops::RangeInclusive<usize>,
+        &'k dyn Fn(usize) -> (&'a [f32], &'a [f32]),
+        &mut [f32],
+    );
+
+    /// Every output of `kernel` has the bits of `lanes_code`'s, at `level` (which the CPU has).
+    #[cfg(target_arch = "x86_64")]
+    fn bits_of_lanes_code_and_kernel(
+        level: crate::cpu::simd::CpuKernels,
+        lanes_code: Kernel,
+        kernel: Kernel,
+    ) {
+        for (num_heads, num_kv_heads, head_dim) in [
+            (64, 8, 64),
+            (12, 1, 32),
+            (8, 2, 96),
+            (4, 1, 32),
+            (6, 1, 128),
+        ] {
             let layout = HeadLayout {
                 num_heads,
                 num_kv_heads,
@@ -602,24 +648,24 @@ mod tests {
                     };
                     // The kernel's output starts as NaN: it must write every value before reading
                     // it back.
-                    let (mut lanes, mut kernel) = (vec![0f32; width], vec![f32::NAN; width]);
+                    let (mut lanes, mut kernel_out) = (vec![0f32; width], vec![f32::NAN; width]);
                     let head = head_rows(&kv, g, head_dim);
-                    // Safety (both): the CPU has AVX-512 (checked above).
+                    // Safety (both): the CPU has the kernels' level (checked by the caller).
                     unsafe {
-                        attend_group_avx512(group, range.clone(), &head, &mut lanes);
-                        avx512::attend_group(group, range.clone(), &head, &mut kernel);
+                        lanes_code(group, range.clone(), &head, &mut lanes);
+                        kernel(group, range.clone(), &head, &mut kernel_out);
                     }
                     let differ = (0..width)
-                        .filter(|&i| lanes[i].to_bits() != kernel[i].to_bits())
+                        .filter(|&i| lanes[i].to_bits() != kernel_out[i].to_bits())
                         .collect::<Vec<_>>();
                     assert!(
                         differ.is_empty(),
-                        "{layout:?}, group {g}, keys {range:?}: {} of {width} values differ, first \
-                         at {} (lanes {}, kernel {})",
+                        "{level:?}, {layout:?}, group {g}, keys {range:?}: {} of {width} values \
+                         differ, first at {} (lanes {}, kernel {})",
                         differ.len(),
                         differ[0],
                         lanes[differ[0]],
-                        kernel[differ[0]]
+                        kernel_out[differ[0]]
                     );
                 }
             }

@@ -9,14 +9,12 @@
 //! vector loaded once for both); lane 2 i + parity of register r holds head i's running sum of
 //! the elements 2 r + parity mod 8, the lanes code's eight sums. Values: 16 dimensions in the
 //! lanes of a register, the sums of 8 heads by 32 dimensions (16 registers) kept over a block of
-//! keys whose value rows stay in L1.
+//! keys whose value rows stay in L1. The scratch and the softmax are the AVX2 kernel's.
 
 use std::arch::x86_64::*;
 
-use super::{
-    EXP_HIGHEST, EXP_LOWEST, EXP_POLYNOMIAL, EXP_ROUND, Group, HEAD_LANES, LN2_HIGH, LN2_LOW,
-    PREFETCH_KEYS, divide_by_denominators, transposed_query,
-};
+use super::avx2::{CallScratch, softmax};
+use super::{Group, HEAD_LANES, PREFETCH_KEYS, divide_by_denominators, transposed_query};
 
 /// Dimensions per value pass: two 512-bit registers of sums per head.
 const VALUE_WIDTH: usize = 32;
@@ -30,20 +28,6 @@ const VALUE_BLOCK: usize = 64;
 /// `VALUE_WIDTH` slices for the values (every head size of GPT-OSS and Qwen3-MoE).
 pub(super) fn takes(head_dim: usize) -> bool {
     head_dim > 0 && head_dim.is_multiple_of(VALUE_WIDTH)
-}
-
-/// A thread's scratch for one call: the scores, and where each key's row and value row of the
-/// group start (asked of `kv` once per key). At 4096 keys 128 and 64 KiB, which a fresh
-/// allocation per call would map and fault in anew. Taken out of the thread's slot for the call
-/// and put back after it (a call nested in `kv` would find an empty one and allocate its own).
-#[derive(Default)]
-struct Scratch {
-    scores: Vec<[f32; HEAD_LANES]>,
-    rows: Vec<[*const f32; 2]>,
-}
-
-std::thread_local! {
-    static SCRATCH: std::cell::Cell<Scratch> = std::cell::Cell::new(Scratch::default());
 }
 
 /// `super::attend_group_with` for a head size `takes` accepts and a non-empty key range.
@@ -64,108 +48,70 @@ pub(super) unsafe fn attend_group<'a>(
     assert!(takes(d) && !keys.is_empty() && out.len() == per_group * d);
     let passes = per_group.div_ceil(HEAD_LANES);
     let query = paired_query(&transposed_query(&group));
-    let count = keys.clone().count();
-    let mut scratch = SCRATCH.take();
-    {
-        let Scratch { scores, rows } = &mut scratch;
-        rows.clear();
-        rows.extend(keys.map(|j| {
-            let (k, v) = kv(j);
-            assert!(
-                k.len() == d && v.len() == d,
-                "a head's key and value hold d values"
-            );
-            [k.as_ptr(), v.as_ptr()]
-        }));
-        // Safety (both): each pointer starts a row of d values (checked above) that lives as
-        // long as `kv`'s slices, past this call (the pointers stay behind in the scratch
-        // vector, never read again: the next call clears them first).
-        let key = |t: usize| unsafe { std::slice::from_raw_parts(rows[t][0], d) };
-        let value = |t: usize| unsafe { std::slice::from_raw_parts(rows[t][1], d) };
-        scores.clear();
-        scores.resize(count * passes, [0.0; HEAD_LANES]);
-        // scores[t * passes + p]: key first + t with the heads of pass p.
-        let mut t = 0;
-        while t < count {
-            let pair = t + 1 < count;
-            for ahead in [t, t + 1].into_iter().take(1 + usize::from(pair)) {
-                if ahead + PREFETCH_KEYS < count {
-                    super::super::simd::prefetch(key(ahead + PREFETCH_KEYS));
-                }
-            }
-            for (p, query) in query.chunks_exact(d / 2).enumerate() {
-                // Safety (each): the CPU features are the caller's guarantee; the keys and the
-                // query hold d values each.
-                if pair {
-                    let [a, b] = unsafe { key_scores([key(t), key(t + 1)], query, scaling) };
-                    scores[t * passes + p] = a;
-                    scores[(t + 1) * passes + p] = b;
-                } else {
-                    scores[t * passes + p] = unsafe { key_scores([key(t)], query, scaling) }[0];
-                }
-            }
-            t += 1 + usize::from(pair);
-        }
-        // The softmax of each pass's heads with their sinks: scores become exponentials.
-        let mut denominators = vec![[0f32; HEAD_LANES]; passes];
-        for (p, denominator) in denominators.iter_mut().enumerate() {
-            let sink = group.pass_sinks(p);
-            // Safety (each): the arrays hold 8 floats.
-            let sink = unsafe { _mm256_loadu_ps(sink.as_ptr()) };
-            let mut max = sink;
-            for row in scores.iter().skip(p).step_by(passes) {
-                // `row > max ? row : max`, as the portable code (NaN never wins).
-                max = _mm256_max_ps(unsafe { _mm256_loadu_ps(row.as_ptr()) }, max);
-            }
-            let mut sum = exp8(_mm256_sub_ps(sink, max));
-            for row in scores.iter_mut().skip(p).step_by(passes) {
-                let e = exp8(_mm256_sub_ps(unsafe { _mm256_loadu_ps(row.as_ptr()) }, max));
-                unsafe { _mm256_storeu_ps(row.as_mut_ptr(), e) };
-                sum = _mm256_add_ps(sum, e);
-            }
-            unsafe { _mm256_storeu_ps(denominator.as_mut_ptr(), sum) };
-        }
-        // Each head's exponential-weighted sum of the values, in key order, then one division.
-        for block in (0..count).step_by(VALUE_BLOCK) {
-            let block = block..(block + VALUE_BLOCK).min(count);
-            for p in 0..passes {
-                let heads = (per_group - p * HEAD_LANES).min(HEAD_LANES);
-                for start in (0..d).step_by(VALUE_WIDTH) {
-                    if p == 0 && start == 0 {
-                        for ahead in
-                            block.start + PREFETCH_KEYS..(block.end + PREFETCH_KEYS).min(count)
-                        {
-                            super::super::simd::prefetch(value(ahead));
-                        }
-                    }
-                    let rows = &out[p * HEAD_LANES * d..];
-                    // Safety: the features are the caller's; `out` holds `heads` rows of d
-                    // values from pass p's first, each value row d, and start + 32 <= d.
-                    let mut sums = if block.start == 0 {
-                        [[_mm512_setzero_ps(); 2]; HEAD_LANES]
-                    } else {
-                        unsafe { load_sums(rows, d, start, heads) }
-                    };
-                    for t in block.clone() {
-                        let v = value(t)[start..start + VALUE_WIDTH].as_ptr();
-                        let e = &scores[t * passes + p];
-                        // Safety: v holds 32 values.
-                        let (v0, v1) = unsafe { (_mm512_loadu_ps(v), _mm512_loadu_ps(v.add(16))) };
-                        for (sum, &e) in sums.iter_mut().zip(e) {
-                            let e = _mm512_set1_ps(e);
-                            sum[0] = _mm512_fmadd_ps(e, v0, sum[0]);
-                            sum[1] = _mm512_fmadd_ps(e, v1, sum[1]);
-                        }
-                    }
-                    let rows = &mut out[p * HEAD_LANES * d..];
-                    // Safety: as for the load above.
-                    unsafe { store_sums(&sums, rows, d, start, heads) };
-                }
+    let mut call = CallScratch::gather(keys, kv, d, passes);
+    let count = call.count();
+    // scores[t * passes + p]: key first + t with the heads of pass p.
+    let mut t = 0;
+    while t < count {
+        let pair = t + 1 < count;
+        for ahead in [t, t + 1].into_iter().take(1 + usize::from(pair)) {
+            if ahead + PREFETCH_KEYS < count {
+                super::super::simd::prefetch(call.key(ahead + PREFETCH_KEYS));
             }
         }
-        divide_by_denominators(out, d, &denominators);
+        for (p, query) in query.chunks_exact(d / 2).enumerate() {
+            // Safety (each): the CPU features are the caller's guarantee; the keys and the
+            // query hold d values each.
+            if pair {
+                let [a, b] = unsafe { key_scores([call.key(t), call.key(t + 1)], query, scaling) };
+                call.scores[t * passes + p] = a;
+                call.scores[(t + 1) * passes + p] = b;
+            } else {
+                call.scores[t * passes + p] =
+                    unsafe { key_scores([call.key(t)], query, scaling) }[0];
+            }
+        }
+        t += 1 + usize::from(pair);
     }
-    SCRATCH.set(scratch);
+    let denominators = softmax(&group, &mut call.scores, passes);
+    // Each head's exponential-weighted sum of the values, in key order, then one division.
+    for block in (0..count).step_by(VALUE_BLOCK) {
+        let block = block..(block + VALUE_BLOCK).min(count);
+        for p in 0..passes {
+            let heads = (per_group - p * HEAD_LANES).min(HEAD_LANES);
+            for start in (0..d).step_by(VALUE_WIDTH) {
+                if p == 0 && start == 0 {
+                    for ahead in block.start + PREFETCH_KEYS..(block.end + PREFETCH_KEYS).min(count)
+                    {
+                        super::super::simd::prefetch(call.value(ahead));
+                    }
+                }
+                let rows = &out[p * HEAD_LANES * d..];
+                // Safety: the features are the caller's; `out` holds `heads` rows of d
+                // values from pass p's first, each value row d, and start + 32 <= d.
+                let mut sums = if block.start == 0 {
+                    [[_mm512_setzero_ps(); 2]; HEAD_LANES]
+                } else {
+                    unsafe { load_sums(rows, d, start, heads) }
+                };
+                for t in block.clone() {
+                    let v = call.value(t)[start..start + VALUE_WIDTH].as_ptr();
+                    let e = &call.scores[t * passes + p];
+                    // Safety: v holds 32 values.
+                    let (v0, v1) = unsafe { (_mm512_loadu_ps(v), _mm512_loadu_ps(v.add(16))) };
+                    for (sum, &e) in sums.iter_mut().zip(e) {
+                        let e = _mm512_set1_ps(e);
+                        sum[0] = _mm512_fmadd_ps(e, v0, sum[0]);
+                        sum[1] = _mm512_fmadd_ps(e, v1, sum[1]);
+                    }
+                }
+                let rows = &mut out[p * HEAD_LANES * d..];
+                // Safety: as for the load above.
+                unsafe { store_sums(&sums, rows, d, start, heads) };
+            }
+        }
+    }
+    divide_by_denominators(out, d, &denominators);
 }
 
 /// The group's queries with element pairs in lanes: `query[p * d / 2 + c / 2]` holds elements c
@@ -228,41 +174,6 @@ unsafe fn key_scores<const KB: usize>(
         unsafe { _mm256_storeu_ps(scores.as_mut_ptr(), heads) };
         scores
     })
-}
-
-/// `super::exp` on 8 lanes: the same operations in the same order.
-#[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-#[inline]
-fn exp8(x: __m256) -> __m256 {
-    // `x > HIGHEST ? HIGHEST : x` (a NaN stays).
-    let clamped = _mm256_min_ps(_mm256_set1_ps(EXP_HIGHEST), x);
-    let round = _mm256_set1_ps(EXP_ROUND);
-    let shifted = _mm256_add_ps(
-        _mm256_mul_ps(clamped, _mm256_set1_ps(std::f32::consts::LOG2_E)),
-        round,
-    );
-    let n = _mm256_sub_ps(shifted, round);
-    let r = _mm256_sub_ps(
-        _mm256_sub_ps(clamped, _mm256_mul_ps(n, _mm256_set1_ps(LN2_HIGH))),
-        _mm256_mul_ps(n, _mm256_set1_ps(LN2_LOW)),
-    );
-    let mut p = _mm256_set1_ps(EXP_POLYNOMIAL[0]);
-    for &c in &EXP_POLYNOMIAL[1..] {
-        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
-    }
-    let e_r = _mm256_add_ps(
-        _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r),
-        _mm256_set1_ps(1.0),
-    );
-    let n_bits = _mm256_sub_epi32(
-        _mm256_castps_si256(shifted),
-        _mm256_set1_epi32(EXP_ROUND.to_bits() as i32),
-    );
-    let two_n = _mm256_slli_epi32::<23>(_mm256_add_epi32(n_bits, _mm256_set1_epi32(127)));
-    let e = _mm256_mul_ps(e_r, _mm256_castsi256_ps(two_n));
-    // 0 below LOWEST (`x < LOWEST`: false for NaN).
-    let below = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(EXP_LOWEST));
-    _mm256_andnot_ps(below, e)
 }
 
 /// The value sums of `heads` rows of `rows` (each `d` values) at dimensions `start..start + 32`.
