@@ -10,10 +10,17 @@
 //!   `PICCHIO_CPU_AMX=off` for the AVX-512 kernel).
 //! - `q8`: the `--dense-format q8` versions of the dense shapes.
 //! - `mxfp4_q8_inputs_*` in `matvec` and `prefill8`: the experts with `--expert-activations q8`.
+//! - `attention`: one decoded position's attention in a full-attention layer of GPT-OSS-20B over
+//!   128, 1024 and 4096 cached positions (in a `KvCache`, as the model reads it), every kv
+//!   head's group in turn on one thread. `PICCHIO_CPU_KERNELS=avx2` (or `scalar`) times the
+//!   narrower kernels on a CPU that has wider ones.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use picchio::Config;
+use picchio::cpu::attention::{HeadLayout, attend_group};
 use picchio::cpu::matmul::{dense_matmul, mxfp4_matmul, mxfp4_q8_matmul};
 use picchio::cpu::q8::{Q8Matrix, q8_matmul};
+use picchio::model::KvCache;
 use picchio::weights::{DenseMatrix, FloatFormat, Mxfp4Experts, TensorBytes};
 
 /// Deterministic pseudo-random bytes (xorshift), so runs compare.
@@ -129,5 +136,53 @@ fn kernels(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, kernels);
+/// One decoded position's attention over a full-attention layer's cache, as `Model::attention`
+/// calls it (there each group is a task of its own).
+fn attention(c: &mut Criterion) {
+    let config = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("fixtures/configs/gpt-oss-20b.config.json");
+    let cfg = Config::load_file(&config).expect("the GPT-OSS-20B config in fixtures/configs");
+    let layout = HeadLayout {
+        num_heads: cfg.num_heads,
+        num_kv_heads: cfg.num_kv_heads,
+        head_dim: cfg.head_dim,
+    };
+    let width = layout.heads_per_kv_head() * cfg.head_dim;
+    let q: Vec<f32> = input(cfg.q_dim() + 7)[7..].to_vec();
+    let sinks = input(cfg.num_heads);
+    let scaling = (cfg.head_dim as f32).powf(-0.5);
+    let mut group = c.benchmark_group("attention");
+    group.sample_size(20);
+    for positions in [128usize, 1024, 4096] {
+        // Layer 0 only: the others stay empty.
+        let mut cache = KvCache::keeping_all(&cfg, positions);
+        let keys = input(positions * cfg.kv_dim());
+        let values: Vec<f32> = keys.iter().rev().copied().collect();
+        cache.store(0, &keys, &values);
+        cache.advance(positions);
+        let mut out = vec![0f32; cfg.q_dim()];
+        // Keys and values read per position: 8 kv heads of 64, 4 bytes each.
+        group.throughput(Throughput::Bytes((2 * positions * cfg.kv_dim() * 4) as u64));
+        group.bench_function(BenchmarkId::new("gpt_oss_20b_layer", positions), |b| {
+            b.iter(|| {
+                for (g, out) in out.chunks_exact_mut(width).enumerate() {
+                    let head = |j: usize| cache.get(0, j, g);
+                    attend_group(
+                        layout,
+                        g,
+                        &q,
+                        0..=positions - 1,
+                        &head,
+                        &sinks,
+                        scaling,
+                        out,
+                    );
+                }
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, kernels, attention);
 criterion_main!(benches);

@@ -160,7 +160,6 @@ pub struct Config {
 }
 
 impl Config {
-    /// Reads `DIR/config.json`.
     /// Reads `DIR/config.json`, and the stop tokens of `DIR/generation_config.json` when present
     /// (the published GPT-OSS checkpoints list `<|return|>`, `<|call|>` and `<|endoftext|>` there).
     pub fn load(model_dir: &Path) -> Result<Config> {
