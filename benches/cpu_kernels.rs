@@ -10,9 +10,10 @@
 //!   `PICCHIO_CPU_AMX=off` for the AVX-512 kernel).
 //! - `q8`: the `--dense-format q8` versions of the dense shapes.
 //! - `mxfp4_q8_inputs_*` in `matvec` and `prefill8`: the experts with `--expert-activations q8`.
-//! - `attention`: one decoded position's attention in a full-attention layer of GPT-OSS-20B over
-//!   128, 1024 and 4096 cached positions (in a `KvCache`, as the model reads it), every kv
-//!   head's group in turn on one thread. `PICCHIO_CPU_KERNELS=avx2` (or `scalar`) times the
+//! - `attention`: one decoded position's attention over 128, 1024 and 4096 cached positions of a
+//!   GPT-OSS-20B layer (a `KvCache` that keeps them all, laid out as the model reads it), every
+//!   kv head's group in turn on one thread. Up to 1024 positions the keys and values stay in
+//!   cache between iterations (kernel speed; decode reads them after the rest of the model). `PICCHIO_CPU_KERNELS=avx2` (or `scalar`) times the
 //!   narrower kernels on a CPU that has wider ones.
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
@@ -136,8 +137,8 @@ fn kernels(c: &mut Criterion) {
     group.finish();
 }
 
-/// One decoded position's attention over a full-attention layer's cache, as `Model::attention`
-/// calls it (there each group is a task of its own).
+/// One decoded position's attention over a layer's cache of every position (as a full-attention
+/// layer holds it), as `Model::attention` calls it (there each group is a task of its own).
 fn attention(c: &mut Criterion) {
     let config = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("fixtures/configs/gpt-oss-20b.config.json");

@@ -560,8 +560,9 @@ mod tests {
 
     /// Each intrinsics kernel adds the same products in the same order as the lanes code
     /// compiled for its CPU level, so every output has the same bits: GPT-OSS's grouping, groups
-    /// of 12 heads (two passes, the second partly filled), of 4 and of 6 (a partly filled quad
-    /// of the AVX2 kernel's value loop); one key, an odd count, several value blocks.
+    /// of 12 heads (two passes, the second partly filled), of 4, of 6 (a partly filled quad of
+    /// the AVX2 kernel's value loop) and of 14 (a second pass with a partly filled second quad);
+    /// one key, an odd count, a second value block of one key, several value blocks.
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_intrinsics_kernels_give_the_lanes_codes_bits() {
@@ -609,6 +610,7 @@ mod tests {
             (8, 2, 96),
             (4, 1, 32),
             (6, 1, 128),
+            (14, 1, 64),
         ] {
             let layout = HeadLayout {
                 num_heads,
@@ -637,7 +639,7 @@ mod tests {
                 )
             };
             let width = layout.heads_per_kv_head() * head_dim;
-            for range in [7..=7, 0..=8, 3..=199] {
+            for range in [7..=7, 0..=8, 0..=64, 3..=199] {
                 for g in 0..num_kv_heads {
                     let group = Group {
                         layout,

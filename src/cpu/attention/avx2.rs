@@ -2,12 +2,12 @@
 //! scores of a call in per-thread scratch, the softmax).
 //!
 //! The same multiply-adds in the same order as the portable lanes code compiled for AVX2 (so the
-//! same bits, by test), with fewer loads and the value sums in registers. On AMD Zen 5, one
+//! same bits, by test; NaN payloads aside), with fewer loads and the value sums in registers. On AMD Zen 5, one
 //! thread, GPT-OSS's groups of 8 heads of 64, each kv head's rows back to back as in the cache:
 //! about 130 cycles per key and group against 200-220 for the lanes code, whose scores took two
 //! loads per multiply-add (the key element's broadcast and the query's, heads in lanes; this
 //! CPU does two loads a cycle) and whose value sums went through memory at every multiply-add.
-//! Scores: elements in lanes instead, a quarter of the key in registers meeting each head's
+//! Scores: elements in lanes instead, 32 of the key's values in registers meeting each head's
 //! query (`key_scores`). Values: the sums of 4 heads by 16 dimensions (8 registers), their 2
 //! value registers and one broadcast weight, over a block of keys whose value rows stay in L1; 6
 //! loads for 8 multiply-adds.
@@ -27,12 +27,14 @@ const VALUE_WIDTH: usize = 16;
 /// weight's broadcast among the 16.
 const VALUE_HEADS: usize = 4;
 
-/// Keys per block of the value loop: the block's value rows are prefetched whole as its first
-/// pass starts, and the passes over its other slices and heads find them in L1 (64 rows of 256
-/// bytes at head size 64: 16 KiB).
+/// Keys per block of the value loop: as its first pass starts, the value rows from 8 keys
+/// (`PREFETCH_KEYS`) into the block to 8 past it are prefetched (the block before asked for the
+/// first 8), and the passes over its other slices and heads find them in L1 (64 rows of 256 bytes
+/// at head size 64: 16 KiB).
 const VALUE_BLOCK: usize = 64;
 
-/// Whether `attend_group` takes this shape: whole quarters of 4 registers for the scores (and so
+/// Whether `attend_group` takes this shape: whole steps of 32 values (4 registers) for the scores
+/// (and so
 /// whole `VALUE_WIDTH` slices for the values; every head size of GPT-OSS and Qwen3-MoE).
 pub(super) fn takes(head_dim: usize) -> bool {
     head_dim > 0 && head_dim.is_multiple_of(32)
@@ -124,6 +126,7 @@ pub(super) unsafe fn attend_group<'a>(
 
 /// The group's query rows, padded with zero heads to whole passes of 8 and aligned for loads:
 /// `query[(8 p + l) * d / 8 + m]` holds elements 8 m.. 8 m + 8 of head 8 p + l of the group.
+#[target_feature(enable = "avx")]
 fn head_rows_query(group: &Group) -> Vec<__m256> {
     let (d, per_group) = (group.layout.head_dim, group.layout.heads_per_kv_head());
     let first = group.g * per_group;
@@ -144,8 +147,8 @@ fn head_rows_query(group: &Group) -> Vec<__m256> {
 /// The scaled scores of one key with a pass's 8 heads (`query`: their rows of
 /// `head_rows_query`), as the lanes code sums them. Elements in lanes: lane u of head h's register
 /// sums the products of elements u, u + 8, .. in order, the lanes code's running sum u of head
-/// h, and the lanes are then added pairwise in the lanes code's order. A quarter of the key's
-/// row stays in 4 registers while it meets the 8 heads: 9 loads for 8 multiply-adds, where
+/// h, and the lanes are then added pairwise in the lanes code's order. 32 of the key's values
+/// stay in 4 registers while it meets the 8 heads: 9 loads for 8 multiply-adds, where
 /// heads in lanes would take 2 per multiply-add (the key element's broadcast and the query's),
 /// and 8 independent sums.
 ///
@@ -157,15 +160,15 @@ unsafe fn key_scores(key: &[f32], query: &[__m256], scaling: f32) -> [f32; HEAD_
     let steps = key.len() / 8;
     assert!(key.len().is_multiple_of(32) && query.len() == HEAD_LANES * steps);
     let mut sums = [_mm256_setzero_ps(); HEAD_LANES];
-    for quarter in (0..steps).step_by(4) {
+    for four in (0..steps).step_by(4) {
         // Safety: 8 values from each of 4 steps within the key (asserted above).
         let k: [__m256; 4] =
-            std::array::from_fn(|i| unsafe { _mm256_loadu_ps(key[8 * (quarter + i)..].as_ptr()) });
+            std::array::from_fn(|i| unsafe { _mm256_loadu_ps(key[8 * (four + i)..].as_ptr()) });
         for (i, k) in k.iter().enumerate() {
             for (h, sum) in sums.iter_mut().enumerate() {
-                // Safety: h < 8 and quarter + i < steps, within the query (asserted above);
-                // unchecked, as 32 bounds checks a quarter cost as much as its products.
-                let q = unsafe { *query.get_unchecked(h * steps + quarter + i) };
+                // Safety: h < 8 and four + i < steps, within the query (asserted above);
+                // unchecked, as 32 bounds checks per 4 steps cost as much as their products.
+                let q = unsafe { *query.get_unchecked(h * steps + four + i) };
                 *sum = _mm256_fmadd_ps(*k, q, *sum);
             }
         }

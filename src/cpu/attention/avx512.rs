@@ -3,7 +3,8 @@
 //! one thread, 128 keys in cache, GPT-OSS's groups of 8 heads of 64: about 120 cycles per key
 //! and group against 240 for the lanes code compiled for AVX-512, whose value sums went through
 //! memory at every multiply-add and whose score loop broadcast one key element per 8 products
-//! (92-100 cycles with each kv head's rows back to back, as the cache now holds them).
+//! (92-100 cycles with each kv head's rows back to back, as the cache now holds them, and the
+//! scratch and softmax shared with the AVX2 kernel).
 //!
 //! Scores: pass p's 8 heads by two elements in the 16 lanes of a register (`paired_query`), a
 //! 64-bit broadcast of a key's two elements per multiply-add, two keys at a time (each query
@@ -20,9 +21,10 @@ use super::{Group, HEAD_LANES, PREFETCH_KEYS, divide_by_denominators, transposed
 /// Dimensions per value pass: two 512-bit registers of sums per head.
 const VALUE_WIDTH: usize = 32;
 
-/// Keys per block of the value loop: the block's value rows are prefetched whole as its first
-/// slice's pass starts, and the passes over its other slices (and over a group's other heads)
-/// find them in L1 (64 rows of 256 bytes at head size 64: 16 KiB).
+/// Keys per block of the value loop: as its first slice's pass starts, the value rows from 8 keys
+/// (`PREFETCH_KEYS`) into the block to 8 past it are prefetched (the block before asked for the
+/// first 8), and the passes over its other slices (and over a group's other heads) find them in
+/// L1 (64 rows of 256 bytes at head size 64: 16 KiB).
 const VALUE_BLOCK: usize = 64;
 
 /// Whether `attend_group` takes this shape: whole 8-element steps for the scores and whole
