@@ -136,9 +136,19 @@ struct Group<'q> {
 }
 
 impl Group<'_> {
+    /// The head size, the group's heads, and the passes of `HEAD_LANES` heads they take.
+    fn sizes(&self) -> (usize, usize, usize) {
+        let per_group = self.layout.heads_per_kv_head();
+        (
+            self.layout.head_dim,
+            per_group,
+            per_group.div_ceil(HEAD_LANES),
+        )
+    }
+
     /// The sinks of pass p's heads, one per lane (zero in lanes past the group's heads).
     fn pass_sinks(&self, p: usize) -> [f32; HEAD_LANES] {
-        let per_group = self.layout.heads_per_kv_head();
+        let (_, per_group, _) = self.sizes();
         std::array::from_fn(|l| {
             let i = p * HEAD_LANES + l;
             if i < per_group {
@@ -206,8 +216,8 @@ unsafe fn attend_group_avx2<'a>(
 /// The group's queries transposed, one lane per head: `query[p * d + c][l]` is element c of head
 /// 8 p + l of the group (zero in lanes past the group's heads).
 fn transposed_query(group: &Group) -> Vec<[f32; HEAD_LANES]> {
-    let (d, per_group) = (group.layout.head_dim, group.layout.heads_per_kv_head());
-    let mut query = vec![[0f32; HEAD_LANES]; per_group.div_ceil(HEAD_LANES) * d];
+    let (d, per_group, passes) = group.sizes();
+    let mut query = vec![[0f32; HEAD_LANES]; passes * d];
     for i in 0..per_group {
         let (p, l) = (i / HEAD_LANES, i % HEAD_LANES);
         let head = group.g * per_group + i;
@@ -233,11 +243,8 @@ fn attend_group_with<'a, const FUSED: bool>(
     kv: &impl Fn(usize) -> (&'a [f32], &'a [f32]),
     out: &mut [f32],
 ) {
-    let Group {
-        layout, scaling, ..
-    } = group;
-    let (d, per_group) = (layout.head_dim, layout.heads_per_kv_head());
-    let passes = per_group.div_ceil(HEAD_LANES);
+    let (d, _, passes) = group.sizes();
+    let scaling = group.scaling;
     let query = transposed_query(&group);
     // scores[j * passes + p][l]: key j with head 8 p + l.
     let count = keys.clone().count();

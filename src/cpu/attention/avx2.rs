@@ -51,12 +51,9 @@ pub(super) unsafe fn attend_group<'a>(
     kv: &impl Fn(usize) -> (&'a [f32], &'a [f32]),
     out: &mut [f32],
 ) {
-    let Group {
-        layout, scaling, ..
-    } = group;
-    let (d, per_group) = (layout.head_dim, layout.heads_per_kv_head());
+    let (d, per_group, passes) = group.sizes();
+    let scaling = group.scaling;
     assert!(takes(d) && !keys.is_empty() && out.len() == per_group * d);
-    let passes = per_group.div_ceil(HEAD_LANES);
     let query = head_rows_query(&group);
     let mut call = CallScratch::gather(keys, kv, d, passes);
     let count = call.count();
@@ -128,20 +125,17 @@ pub(super) unsafe fn attend_group<'a>(
 /// `query[(8 p + l) * d / 8 + m]` holds elements 8 m.. 8 m + 8 of head 8 p + l of the group.
 #[target_feature(enable = "avx")]
 fn head_rows_query(group: &Group) -> Vec<__m256> {
-    let (d, per_group) = (group.layout.head_dim, group.layout.heads_per_kv_head());
+    let (d, per_group, passes) = group.sizes();
     let first = group.g * per_group;
-    let mut query = vec![[0f32; 8]; per_group.div_ceil(HEAD_LANES) * HEAD_LANES * d / 8];
+    let mut query = vec![_mm256_setzero_ps(); passes * HEAD_LANES * d / 8];
     for (i, row) in query.chunks_exact_mut(d / 8).take(per_group).enumerate() {
         let head = &group.q[(first + i) * d..(first + i + 1) * d];
         for (eight, values) in row.iter_mut().zip(head.chunks_exact(8)) {
-            eight.copy_from_slice(values);
+            // Safety: 8 floats.
+            *eight = unsafe { _mm256_loadu_ps(values.as_ptr()) };
         }
     }
-    // Safety: 8 floats each.
     query
-        .iter()
-        .map(|q| unsafe { _mm256_loadu_ps(q.as_ptr()) })
-        .collect()
 }
 
 /// The scaled scores of one key with a pass's 8 heads (`query`: their rows of

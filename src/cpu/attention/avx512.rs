@@ -44,12 +44,9 @@ pub(super) unsafe fn attend_group<'a>(
     kv: &impl Fn(usize) -> (&'a [f32], &'a [f32]),
     out: &mut [f32],
 ) {
-    let Group {
-        layout, scaling, ..
-    } = group;
-    let (d, per_group) = (layout.head_dim, layout.heads_per_kv_head());
+    let (d, per_group, passes) = group.sizes();
+    let scaling = group.scaling;
     assert!(takes(d) && !keys.is_empty() && out.len() == per_group * d);
-    let passes = per_group.div_ceil(HEAD_LANES);
     let query = paired_query(&transposed_query(&group));
     let mut call = CallScratch::gather(keys, kv, d, passes);
     let count = call.count();
