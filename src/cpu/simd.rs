@@ -326,7 +326,7 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx512 => mxfp4_dot_per_run(),
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx2 => avx2_packed_dot::<PACKED_MXFP4>(),
+        CpuKernels::Avx2 => avx2_mxfp4_dot(),
         #[cfg(target_arch = "aarch64")]
         CpuKernels::Neon => neon_packed_dot::<PACKED_MXFP4>(),
         _ => PackedDot::one_at_a_time(
@@ -485,6 +485,23 @@ fn avx2_packed_dot<const FORMAT: u8>() -> PackedDot {
     }
 }
 
+/// The AVX2 MXFP4 kernel through byte tables with the scales folded in.
+#[cfg(target_arch = "x86_64")]
+fn avx2_mxfp4_dot() -> PackedDot {
+    use x86::byte_tables;
+    assert!(detect() >= CpuKernels::Avx2);
+    PackedDot {
+        input_order: InputOrder::GroupLanes,
+        // Safety (all): AVX2, FMA and F16C were detected (asserted above).
+        dot: |blocks, scales, x| unsafe { byte_tables::dot_mxfp4(blocks, scales, x) },
+        dot_each: |blocks, scales, xs, out| unsafe {
+            byte_tables::dot_mxfp4_each(blocks, scales, xs, out)
+        },
+        tile: |rows, xs, out| unsafe { byte_tables::mxfp4_tile(rows, xs, out) },
+        rows: |runs, x, outs| unsafe { byte_tables::dot_mxfp4_rows(runs, x, outs) },
+    }
+}
+
 /// The AVX-512 MXFP4 kernel that scales each run's sums (no VBMI needed).
 #[cfg(target_arch = "x86_64")]
 fn mxfp4_dot_per_run() -> PackedDot {
@@ -626,6 +643,9 @@ pub enum InputOrder {
     NibbleRuns,
     /// Every group of 32 as its 16 even inputs, then its 16 odd ones.
     GroupHalves,
+    /// Every group of 32 as the AVX2 byte-table kernel decodes it: 4 vectors of 8, lane l of
+    /// vector v holding input `group_lane_input(v, l)`.
+    GroupLanes,
 }
 
 impl InputOrder {
@@ -649,6 +669,10 @@ impl InputOrder {
             }
             InputOrder::GroupHalves => {
                 arrange_group_halves(x, cols, scratch);
+                scratch
+            }
+            InputOrder::GroupLanes => {
+                arrange_group_lanes(x, cols, scratch);
                 scratch
             }
         }
@@ -698,6 +722,28 @@ fn arrange_group_halves(x: &[f32], cols: usize, out: &mut AlignedFloats) {
     for (group, halves) in x.chunks_exact(32).zip(out.chunks_exact_mut(32)) {
         group_halves(group, halves);
     }
+}
+
+/// Rearranges rows of `cols` inputs into `InputOrder::GroupLanes`.
+fn arrange_group_lanes(x: &[f32], cols: usize, out: &mut AlignedFloats) {
+    assert!(
+        cols.is_multiple_of(32) && x.len().is_multiple_of(cols),
+        "packed rows hold whole groups of 32"
+    );
+    let out = out.filled(x.len());
+    for (group, arranged) in x.chunks_exact(32).zip(out.chunks_exact_mut(32)) {
+        for (i, input) in arranged.iter_mut().enumerate() {
+            *input = group[group_lane_input(i / 8, i % 8)];
+        }
+    }
+}
+
+/// See `InputOrder::GroupLanes`: the input that lane `l` of weight vector `v` multiplies, in
+/// its group. The low 128-bit lane decodes the group's low nibbles (even weights), the high
+/// lane its high ones; vectors 0 and 1 widen the words of the group's first 8 bytes, 2 and 3
+/// of its last 8; the even vectors take each 32-bit word's lower word, the odd ones its upper.
+const fn group_lane_input(v: usize, l: usize) -> usize {
+    16 * (v / 2) + 2 * (v % 2) + l / 4 + 4 * (l % 4)
 }
 
 /// A group's even inputs, then its odd ones.
@@ -841,7 +887,6 @@ mod x86 {
     use crate::cpu::formats::e8m0_scale;
     use crate::cpu::matmul::decode_at;
     use crate::weights::FloatFormat;
-    use std::sync::OnceLock;
 
     /// How far ahead of the bytes being read the kernels ask for the next ones: into L1 a little
     /// ahead, into L2 far ahead. Rows continue into the next row, and memory pages are small
@@ -1112,21 +1157,15 @@ mod x86 {
     #[inline]
     fn group_scale(row: GroupRow, g: usize) -> f32 {
         match row.format {
-            GroupFormat::Mxfp4 => row.half_e8m0[row.scales[g] as usize],
+            // Twice the FP4 values (`small_integers`), halved here. MXFP4 rows go through the
+            // byte tables on x86 (`avx2_mxfp4_dot`); this kernel still reads them (tests).
+            GroupFormat::Mxfp4 => 0.5 * e8m0_scale(row.scales[g]),
             _ => {
                 let scales = row.scales;
                 let bits = u16::from_le_bytes([scales[2 * g], scales[2 * g + 1]]);
                 _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
             }
         }
-    }
-
-    /// `0.5 * e8m0_scale(s)` for every scale byte `s`: an MXFP4 group's scale in one load (the
-    /// small integers are twice the FP4 values), where computing it took a quarter of decode's
-    /// instructions.
-    fn half_e8m0_scales() -> &'static [f32; 256] {
-        static TABLE: OnceLock<[f32; 256]> = OnceLock::new();
-        TABLE.get_or_init(|| std::array::from_fn(|s| 0.5 * e8m0_scale(s as u8)))
     }
 
     /// Eight signed bytes (the low half of `bytes`) as f32.
@@ -1177,7 +1216,6 @@ mod x86 {
         small_integers: __m128i,
         bytes: &'a [u8],
         scales: &'a [u8],
-        half_e8m0: &'static [f32; 256],
     }
 
     impl<'a> GroupRow<'a> {
@@ -1197,7 +1235,6 @@ mod x86 {
                 small_integers,
                 bytes,
                 scales,
-                half_e8m0: half_e8m0_scales(),
             }
         }
 
@@ -1507,6 +1544,9 @@ mod x86 {
         // Safety: the caller's guarantees.
         unsafe { rows_tile(GroupFormat::Q8, rows, xs, out) }
     }
+
+    /// MXFP4 through byte tables with the scales folded in.
+    pub mod byte_tables;
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -2613,10 +2653,16 @@ mod tests {
         }
     }
 
-    /// Every AVX-512 MXFP4 kernel this CPU runs: the folded one (VBMI) and the per-run one.
-    fn avx512_mxfp4_kernels() -> Vec<(&'static str, PackedDot)> {
+    /// Every x86 MXFP4 kernel this CPU runs that folds or scales per run: AVX2's byte tables,
+    /// AVX-512's folded one (VBMI) and its per-run one.
+    fn x86_mxfp4_kernels() -> Vec<(&'static str, PackedDot)> {
         #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))] // none elsewhere
         let mut kernels = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        if detect() >= CpuKernels::Avx2 {
+            kernels.push(("byte tables", avx2_mxfp4_dot()));
+            kernels.push(("per group", avx2_packed_dot::<PACKED_MXFP4>()));
+        }
         #[cfg(target_arch = "x86_64")]
         if detect() >= CpuKernels::Avx512 {
             kernels.push(("per-run", mxfp4_dot_per_run()));
@@ -2628,7 +2674,7 @@ mod tests {
     }
 
     #[test]
-    fn avx512_mxfp4_kernels_match_the_scalar_reference_at_every_scale() {
+    fn x86_mxfp4_kernels_match_the_scalar_reference_at_every_scale() {
         let n = 2880 + 32; // 22 runs and 3 groups after them
         let mut x = values(n, 13);
         // Groups 0, 5 and 40 get scales up to 2^127 below: small inputs keep their sums finite.
@@ -2645,7 +2691,9 @@ mod tests {
         large[40] = 254;
         let mut at_the_edge = vec![127u8; n / 32];
         at_the_edge[0] = 254;
-        for (name, kernel) in avx512_mxfp4_kernels() {
+        // The smallest scales: weights down to 2^-128, below the normal floats.
+        let tiny: Vec<u8> = (0..n / 32).map(|g| (g % 8) as u8).collect();
+        for (name, kernel) in x86_mxfp4_kernels() {
             // Two runs of rows through the decode entry, which pairs row i of one with row i of
             // the other: every pairing of rows that fold and rows that do not, then a row
             // alone (at the end of either run). The same values as one by one.
@@ -2655,7 +2703,16 @@ mod tests {
             let mut first: Vec<&Vec<u8>> = kinds.iter().flat_map(|k| [*k; 3]).collect();
             first.push(&ordinary);
             let second: Vec<&Vec<u8>> = (0..3).flat_map(|_| kinds).collect();
-            for runs in [[&first, &second], [&second, &first]] {
+            // Runs of rows that all fold, one longer than the other (AVX2's kernel takes four
+            // rows of each run at a time where all eight fold).
+            let folding: Vec<&Vec<u8>> = vec![&ordinary, &tiny, &ordinary, &ordinary, &tiny];
+            let longer: Vec<&Vec<u8>> = vec![&tiny, &ordinary, &ordinary, &tiny, &tiny, &ordinary];
+            for runs in [
+                [&first, &second],
+                [&second, &first],
+                [&folding, &longer],
+                [&longer, &folding],
+            ] {
                 let mut outs = runs.map(|run| vec![0f32; run.len()]);
                 let bytes = runs.map(|run| blocks.repeat(run.len()));
                 let scales =
@@ -2676,7 +2733,7 @@ mod tests {
                     }
                 }
             }
-            for scales in [&ordinary, &large, &at_the_edge] {
+            for scales in [&ordinary, &large, &at_the_edge, &tiny] {
                 let mut magnitude = 0f32;
                 for (g, s) in scales.iter().enumerate() {
                     let group: f32 = x[32 * g..32 * g + 32].iter().map(|v| v.abs()).sum();

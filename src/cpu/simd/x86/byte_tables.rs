@@ -1,0 +1,417 @@
+//! MXFP4 rows on AVX2 through byte tables, each group's scale folded into its weights' bf16
+//! bytes.
+//!
+//! A scaled FP4 value is exact in bf16 (at most two significant bits), so one table of 16 low
+//! bytes and one of 16 high bytes per scale byte turn a nibble into its scaled weight's bf16 with
+//! two byte shuffles, and a row's products add up in one running sum per input with no
+//! per-group multiply. A group's 16 bytes fill both 128-bit lanes; one variable shift and a
+//! mask leave the low nibbles in the low lane and the high nibbles in the high one. Per group
+//! of 32 weights: 2 byte shuffles through the tables, 2 byte unpacks that pair each weight's
+//! bytes into a 16-bit word, 4 shifts or masks that widen the words to floats and 2 to pick the
+//! nibbles (10 operations, none across lanes), against 4 sign extensions across lanes, 4
+//! conversions and 4 other shuffles when each group's integers are converted and its sum scaled
+//! (`GroupFormat::Mxfp4`).
+//!
+//! One running sum per row and input: decode takes eight rows at a time (eight sums in flight,
+//! each multiply-add waiting on the same row's one before), prefill's tiles eight inputs per
+//! decoded group. The weights come out in an order of their own: inputs are read as
+//! `InputOrder::GroupLanes` arranges them. Rows with a scale of 253 or more (where a scaled
+//! weight would overflow while the scaled sum might not) decode the unscaled values and scale
+//! each group's sum instead.
+
+use std::arch::x86_64::*;
+use std::sync::OnceLock;
+
+use super::super::TILE_ROWS;
+use super::prefetch_ahead;
+use crate::cpu::formats::{FP4_VALUES, e8m0_scale};
+
+/// A 16-byte table in both lanes of a 256-bit register, aligned for one load.
+#[repr(C, align(32))]
+struct LaneTable([u8; 32]);
+
+/// The low bytes and the high bytes of the bf16 of `FP4_VALUES * e8m0_scale(s)`, per scale
+/// byte `s`.
+struct ByteTables {
+    low: [LaneTable; 256],
+    high: [LaneTable; 256],
+}
+
+fn byte_tables() -> &'static ByteTables {
+    static TABLES: OnceLock<Box<ByteTables>> = OnceLock::new();
+    TABLES.get_or_init(|| {
+        // The upper half of the scaled value's float: all of it where the scale folds.
+        let word = |s: usize, i: usize| {
+            ((FP4_VALUES[i % 16] * e8m0_scale(s as u8)).to_bits() >> 16) as u16
+        };
+        Box::new(ByteTables {
+            low: std::array::from_fn(|s| LaneTable(std::array::from_fn(|i| word(s, i) as u8))),
+            high: std::array::from_fn(|s| {
+                LaneTable(std::array::from_fn(|i| (word(s, i) >> 8) as u8))
+            }),
+        })
+    })
+}
+
+/// The smallest scale byte whose scaled weights are not all exact: 6 * 2^(253 - 127) overflows.
+const FIRST_UNFOLDABLE_SCALE: u8 = 253;
+
+/// The scale byte of the unscaled values (2^0).
+const UNSCALED: u8 = 127;
+
+/// Whether every scale of a row folds into its tables exactly.
+fn folds(scales: &[u8]) -> bool {
+    // The largest, not the first that does not fold: a loop the compiler vectorizes.
+    scales.iter().fold(0u8, |m, &s| m.max(s)) < FIRST_UNFOLDABLE_SCALE
+}
+
+/// A row: packed bytes (16 per group), scale bytes, and whether the scales fold.
+#[derive(Clone, Copy)]
+struct Row<'a> {
+    packed: &'a [u8],
+    scales: &'a [u8],
+    folds: bool,
+}
+
+impl<'a> Row<'a> {
+    fn new(packed: &'a [u8], scales: &'a [u8]) -> Row<'a> {
+        Row::folding_where(packed, scales, folds(scales))
+    }
+
+    /// A row whose scales fold where `folds` (which must be `folds(scales)`, or true where every
+    /// scale of a larger set folds).
+    fn folding_where(packed: &'a [u8], scales: &'a [u8], folds: bool) -> Row<'a> {
+        let groups = scales.len();
+        assert!(
+            packed.len() == 16 * groups,
+            "an MXFP4 row holds 16 bytes and one scale per group"
+        );
+        Row {
+            packed,
+            scales,
+            folds,
+        }
+    }
+
+    fn groups(&self) -> usize {
+        self.scales.len()
+    }
+}
+
+/// Group `g`'s 32 weights as 4 vectors of floats, scaled where the row folds (else unscaled):
+/// vector v holds, in lane `l`, the weight `GroupLanes` pairs with input
+/// `group_lane_input(v, l)`. The row's bytes ahead are prefetched at each cache line's first
+/// group.
+///
+/// # Safety
+/// AVX2; group g exists (`g < row.groups()`).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn group_weights(row: Row, g: usize, tables: &ByteTables) -> [__m256; 4] {
+    let at = 16 * g;
+    if at.is_multiple_of(64) {
+        prefetch_ahead(row.packed.as_ptr().wrapping_add(at), 64);
+    }
+    let scale = if row.folds { row.scales[g] } else { UNSCALED };
+    let (low, high) = (&tables.low[scale as usize], &tables.high[scale as usize]);
+    // Safety: the group's 16 bytes exist (the caller's guarantee); each table holds 32 bytes,
+    // aligned to 32.
+    unsafe {
+        let bytes =
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(row.packed.as_ptr().add(at).cast()));
+        // Byte k of the low lane: the low nibble of byte k (weight 2k); of the high lane: the
+        // high nibble (weight 2k + 1).
+        let codes = _mm256_and_si256(
+            _mm256_srlv_epi32(bytes, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+            _mm256_set1_epi8(0x0f),
+        );
+        let low_bytes = _mm256_shuffle_epi8(_mm256_load_si256(low.0.as_ptr().cast()), codes);
+        let high_bytes = _mm256_shuffle_epi8(_mm256_load_si256(high.0.as_ptr().cast()), codes);
+        // Word m of a lane: the bf16 of code m (first) or 8 + m (second).
+        let first = _mm256_unpacklo_epi8(low_bytes, high_bytes);
+        let second = _mm256_unpackhi_epi8(low_bytes, high_bytes);
+        let upper = _mm256_set1_epi32(0xffff_0000_u32 as i32);
+        [
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(first)),
+            _mm256_castsi256_ps(_mm256_and_si256(first, upper)),
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(second)),
+            _mm256_castsi256_ps(_mm256_and_si256(second, upper)),
+        ]
+    }
+}
+
+/// Adds group `g` of a row times each of `T` inputs to that input's running sum: each product
+/// straight into the sum where the row folds, else the group's products summed and scaled.
+///
+/// # Safety
+/// AVX2 and FMA; group g exists; every input holds `32 * row.groups()` values in
+/// `InputOrder::GroupLanes`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn add_group<const T: usize>(
+    row: Row,
+    g: usize,
+    xs: [&[f32]; T],
+    tables: &ByteTables,
+    sums: &mut [__m256; T],
+) {
+    if row.folds {
+        // Safety: the caller's guarantees.
+        unsafe { add_folding_group(row, g, xs, tables, sums) };
+    } else {
+        // Safety: the caller's guarantees.
+        let w = unsafe { group_weights(row, g, tables) };
+        let scale = _mm256_set1_ps(e8m0_scale(row.scales[g]));
+        for (sum, x) in sums.iter_mut().zip(xs) {
+            // Safety (each): as above.
+            let input = |v: usize| unsafe { _mm256_loadu_ps(x.as_ptr().add(32 * g + 8 * v)) };
+            let mut group = _mm256_mul_ps(w[0], input(0));
+            for (v, w) in w.iter().enumerate().skip(1) {
+                group = _mm256_fmadd_ps(*w, input(v), group);
+            }
+            *sum = _mm256_fmadd_ps(group, scale, *sum);
+        }
+    }
+}
+
+/// `add_group` of a row that folds: each product straight into the sum.
+///
+/// # Safety
+/// As `add_group`; the row folds.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn add_folding_group<const T: usize>(
+    row: Row,
+    g: usize,
+    xs: [&[f32]; T],
+    tables: &ByteTables,
+    sums: &mut [__m256; T],
+) {
+    // Safety: the caller's guarantees.
+    let w = unsafe { group_weights(row, g, tables) };
+    for (sum, x) in sums.iter_mut().zip(xs) {
+        for (v, w) in w.iter().enumerate() {
+            // Safety: the group's 32 inputs are in bounds (the caller's guarantee).
+            let input = unsafe { _mm256_loadu_ps(x.as_ptr().add(32 * g + 8 * v)) };
+            *sum = _mm256_fmadd_ps(*w, input, *sum);
+        }
+    }
+}
+
+/// Adds groups `groups` of a row times `T` inputs to their running sums.
+///
+/// # Safety
+/// As `add_group`, for every group of `groups`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn add_groups<const T: usize>(
+    row: Row,
+    xs: [&[f32]; T],
+    groups: std::ops::Range<usize>,
+    sums: &mut [__m256; T],
+) {
+    assert!(
+        groups.end <= row.groups() && xs.iter().all(|x| x.len() == 32 * row.groups()),
+        "each input holds 32 values per group of the row"
+    );
+    let tables = byte_tables();
+    let mut acc = *sums;
+    for g in groups {
+        // Safety: group g exists and its inputs are in bounds (asserted above).
+        unsafe { add_group(row, g, xs, tables, &mut acc) };
+    }
+    *sums = acc;
+}
+
+/// One row times `T` inputs.
+///
+/// # Safety
+/// As `add_groups`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn row_dots<const T: usize>(row: Row, xs: [&[f32]; T]) -> [f32; T] {
+    let mut sums = [_mm256_setzero_ps(); T];
+    // Safety: the caller's guarantees.
+    unsafe { add_groups(row, xs, 0..row.groups(), &mut sums) };
+    sums.map(|s| super::sum8(s))
+}
+
+/// `N` rows times one input, each bit-identical to `row_dots`: group by group, every row in
+/// turn, so that `N` running sums are in flight.
+///
+/// # Safety
+/// As `add_groups`, for every row; all rows as long.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn rows_dots<const N: usize>(rows: [Row; N], x: &[f32]) -> [f32; N] {
+    let groups = rows[0].groups();
+    assert!(rows.iter().all(|r| r.groups() == groups) && x.len() == 32 * groups);
+    let tables = byte_tables();
+    let mut sums = [_mm256_setzero_ps(); N];
+    for g in 0..groups {
+        for (sum, row) in sums.iter_mut().zip(rows) {
+            // Safety: group g exists in every row; its inputs are in bounds (asserted above).
+            unsafe { add_group(row, g, [x], tables, std::array::from_mut(sum)) };
+        }
+    }
+    sums.map(|s| super::sum8(s))
+}
+
+/// `rows_dots` of eight rows that all fold, the rows spelled out so that the eight sums stay in
+/// registers (a loop over the rows kept them in memory, loaded and stored at every group: 8.4
+/// against 4.3 cycles per row and group in L2 on AMD Zen 5).
+///
+/// # Safety
+/// As `rows_dots`; every row folds.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn eight_folding_rows(rows: [Row; 8], x: &[f32]) -> [f32; 8] {
+    let groups = rows[0].groups();
+    assert!(
+        rows.iter().all(|r| r.groups() == groups && r.folds) && x.len() == 32 * groups,
+        "eight folding rows as long as the input"
+    );
+    let tables = byte_tables();
+    let mut sums = [_mm256_setzero_ps(); 8];
+    macro_rules! each_row {
+        ($g:ident, [$($i:literal),*]) => {
+            // Safety (each): group g exists in every row, which folds; its inputs are in
+            // bounds (asserted above).
+            $(unsafe {
+                add_folding_group(rows[$i], $g, [x], tables, std::array::from_mut(&mut sums[$i]))
+            };)*
+        };
+    }
+    for g in 0..groups {
+        each_row!(g, [0, 1, 2, 3, 4, 5, 6, 7]);
+    }
+    sums.map(|s| super::sum8(s))
+}
+
+/// # Safety
+/// AVX2, FMA and F16C; `scales` holds one E8M0 byte per 16 bytes of `blocks` and `x` 32 inputs
+/// per group in `InputOrder::GroupLanes`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_mxfp4(blocks: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+    // Safety: the caller's guarantees.
+    unsafe { row_dots(Row::new(blocks, scales), [x])[0] }
+}
+
+/// One row times every input, eight at a time.
+///
+/// # Safety
+/// As `dot_mxfp4`, for every input.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_mxfp4_each(blocks: &[u8], scales: &[u8], xs: &[&[f32]], out: &mut [f32]) {
+    let row = Row::new(blocks, scales);
+    // Safety: the caller's guarantees.
+    in_blocks!(for_blocks_of_eight, xs, out, |block| unsafe {
+        row_dots(row, block)
+    });
+}
+
+/// Groups a tile works through before moving to the next row: the inputs' slices of a block
+/// (32 KiB for eight inputs) stay in L1 while every row of the tile reads them.
+const TILE_GROUPS: usize = 32;
+
+/// Each of `rows` (at most `TILE_ROWS`) times `T` inputs, block of groups by block of groups:
+/// `out[r * stride + t]`. Bit-identical to `row_dots`.
+///
+/// # Safety
+/// As `add_groups`, for every row.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn tile_dots<const T: usize>(
+    rows: &[Row],
+    xs: [&[f32]; T],
+    (out, stride): (&mut [f32], usize),
+) {
+    assert!(rows.len() <= TILE_ROWS);
+    let mut sums = [[_mm256_setzero_ps(); T]; TILE_ROWS];
+    let groups = rows.first().map_or(0, Row::groups);
+    for block in super::super::blocks(groups, TILE_GROUPS) {
+        for (row, sums) in rows.iter().zip(sums.iter_mut()) {
+            // Safety: the caller's guarantees.
+            unsafe { add_groups(*row, xs, block.clone(), sums) };
+        }
+    }
+    for (r, sums) in sums.iter().take(rows.len()).enumerate() {
+        for (t, sum) in sums.iter().enumerate() {
+            out[r * stride + t] = super::sum8(*sum);
+        }
+    }
+}
+
+/// Rows (packed bytes, scale bytes; at most `TILE_ROWS`, all as long) times every input:
+/// `out[r * xs.len() + t]`, eight inputs at a time (eight sums and a group's four weight vectors
+/// in the sixteen registers).
+///
+/// # Safety
+/// As `dot_mxfp4`, for every row and input.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn mxfp4_tile(rows: &[(&[u8], &[u8])], xs: &[&[f32]], out: &mut [f32]) {
+    assert!(rows.len() <= TILE_ROWS);
+    let mut tile = [Row::folding_where(&[], &[], true); TILE_ROWS];
+    for (slot, &(blocks, scales)) in tile.iter_mut().zip(rows) {
+        *slot = Row::new(blocks, scales);
+    }
+    let rows = &tile[..rows.len()];
+    assert!(rows.iter().all(|r| r.groups() == rows[0].groups()));
+    let stride = xs.len();
+    // Safety: the caller's guarantees.
+    for_blocks_of_eight!(xs, |block, t| unsafe {
+        tile_dots(rows, block, (&mut out[t..], stride))
+    });
+}
+
+/// Two runs of consecutive rows times one input: `outs[k][i] = row i of run k . x`,
+/// bit-identical to `dot_mxfp4`. Decode's form: rows i to i + 3 of both runs side by side (two
+/// streams from memory, eight running sums in flight), then the rows left in pairs across the
+/// runs, then the rows one run has beyond the other's one at a time.
+///
+/// # Safety
+/// As `dot_mxfp4`, for every row.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_mxfp4_rows(runs: [(&[u8], &[u8]); 2], x: &[f32], outs: [&mut [f32]; 2]) {
+    let groups = x.len() / 32;
+    for k in 0..2 {
+        assert!(
+            runs[k].0.len() == 16 * groups * outs[k].len()
+                && runs[k].1.len() == groups * outs[k].len(),
+            "consecutive MXFP4 rows hold 16 bytes and one scale per group of the input"
+        );
+    }
+    // One scan of each run's scales: where all fold, no row scans its own.
+    let all_fold = runs.map(|(_, scales)| folds(scales));
+    let row = |k: usize, r: usize| {
+        let (blocks, scales) = runs[k];
+        let scales = &scales[groups * r..groups * (r + 1)];
+        let packed = &blocks[16 * groups * r..16 * groups * (r + 1)];
+        Row::folding_where(packed, scales, all_fold[k] || folds(scales))
+    };
+    let [first, second] = outs;
+    let paired = first.len().min(second.len());
+    let mut r = 0;
+    while r + 4 <= paired {
+        let rows: [Row; 8] = std::array::from_fn(|i| row(i / 4, r + i % 4));
+        // Safety (both): the caller's guarantees.
+        let dots = if rows.iter().all(|r| r.folds) {
+            unsafe { eight_folding_rows(rows, x) }
+        } else {
+            unsafe { rows_dots(rows, x) }
+        };
+        first[r..r + 4].copy_from_slice(&dots[..4]);
+        second[r..r + 4].copy_from_slice(&dots[4..]);
+        r += 4;
+    }
+    for r in r..paired {
+        // Safety: the caller's guarantees.
+        [first[r], second[r]] = unsafe { rows_dots([row(0, r), row(1, r)], x) };
+    }
+    for (k, out) in [first, second].into_iter().enumerate() {
+        for (r, y) in out.iter_mut().enumerate().skip(paired) {
+            // Safety: the caller's guarantees.
+            *y = unsafe { row_dots(row(k, r), [x])[0] };
+        }
+    }
+}
