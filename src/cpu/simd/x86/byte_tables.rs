@@ -13,8 +13,9 @@
 //! (`GroupFormat::Mxfp4`).
 //!
 //! One running sum per row and input: decode takes eight rows at a time (eight sums in flight,
-//! each multiply-add waiting on the same row's one before), prefill's tiles eight inputs per
-//! decoded group. The weights come out in an order of their own: inputs are read as
+//! each multiply-add waiting on the same row's one before; spelled out, with the sums in
+//! registers, where all eight fold, as in any checkpoint seen so far), prefill's tiles eight
+//! inputs per decoded group. The weights come out in an order of their own: inputs are read as
 //! `InputOrder::GroupLanes` arranges them. Rows with a scale of 253 or more (where a scaled
 //! weight would overflow while the scaled sum might not) decode the unscaled values and scale
 //! each group's sum instead.
@@ -65,7 +66,9 @@ fn folds(scales: &[u8]) -> bool {
     scales.iter().fold(0u8, |m, &s| m.max(s)) < FIRST_UNFOLDABLE_SCALE
 }
 
-/// A row: packed bytes (16 per group), scale bytes, and whether the scales fold.
+/// A row: packed bytes (16 per group), scale bytes, and whether the scales fold. Built only by
+/// `folding_where`, which checks that the row holds 16 bytes per scale byte: the kernels' loads
+/// of group g (`g < groups()`) rely on it.
 #[derive(Clone, Copy)]
 struct Row<'a> {
     packed: &'a [u8],
@@ -177,7 +180,8 @@ unsafe fn add_group<const T: usize>(
 /// `add_group` of a row that folds: each product straight into the sum.
 ///
 /// # Safety
-/// As `add_group`; the row folds.
+/// As `add_group`. (The row must fold for the result to be the row's: weights are read from its
+/// scales' tables.)
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn add_folding_group<const T: usize>(
@@ -412,6 +416,29 @@ pub unsafe fn dot_mxfp4_rows(runs: [(&[u8], &[u8]); 2], x: &[f32], outs: [&mut [
         for (r, y) in out.iter_mut().enumerate().skip(paired) {
             // Safety: the caller's guarantees.
             *y = unsafe { row_dots(row(k, r), [x])[0] };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_folding_scales_table_holds_its_scaled_values_exactly() {
+        let tables = byte_tables();
+        for s in 0..FIRST_UNFOLDABLE_SCALE {
+            for i in 0..32 {
+                let (low, high) = (tables.low[s as usize].0[i], tables.high[s as usize].0[i]);
+                let widened = f32::from_bits(u32::from(u16::from_le_bytes([low, high])) << 16);
+                let exact = FP4_VALUES[i % 16] * e8m0_scale(s);
+                assert_eq!(
+                    widened.to_bits(),
+                    exact.to_bits(),
+                    "scale byte {s}, code {}",
+                    i % 16
+                );
+            }
         }
     }
 }
