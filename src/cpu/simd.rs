@@ -229,6 +229,10 @@ pub type PackedTile = fn(&[(&[u8], &[u8])], &[&[f32]], &mut [f32]);
 /// Most rows one `PackedDot::tile` call takes.
 pub const TILE_ROWS: usize = 16;
 
+/// Groups of 32 a packed tile works through before moving to the next row: the inputs' slices of
+/// a block (32 KiB for eight inputs) stay in L1 while every row of the tile reads them.
+const TILE_GROUPS: usize = 32;
+
 impl PackedDot {
     /// A kernel without a batched form: `dot_each` calls `dot` per input, `tile` `dot_each` per
     /// row.
@@ -668,11 +672,11 @@ impl InputOrder {
                 scratch
             }
             InputOrder::GroupHalves => {
-                arrange_group_halves(x, cols, scratch);
+                arrange_groups(x, cols, scratch, group_halves);
                 scratch
             }
             InputOrder::GroupLanes => {
-                arrange_group_lanes(x, cols, scratch);
+                arrange_groups(x, cols, scratch, group_lanes);
                 scratch
             }
         }
@@ -711,30 +715,28 @@ impl std::ops::Deref for AlignedFloats {
     }
 }
 
-/// Rearranges rows of `cols` inputs into groups of 32, each its 16 even inputs then its 16 odd
-/// ones: the low and high nibbles of a group's 16 bytes.
-fn arrange_group_halves(x: &[f32], cols: usize, out: &mut AlignedFloats) {
-    assert!(
-        cols.is_multiple_of(32) && x.len().is_multiple_of(cols),
-        "packed rows hold whole groups of 32"
-    );
-    let out = out.filled(x.len());
-    for (group, halves) in x.chunks_exact(32).zip(out.chunks_exact_mut(32)) {
-        group_halves(group, halves);
-    }
-}
-
-/// Rearranges rows of `cols` inputs into `InputOrder::GroupLanes`.
-fn arrange_group_lanes(x: &[f32], cols: usize, out: &mut AlignedFloats) {
+/// Rearranges rows of `cols` inputs group of 32 by group: `arrange(group, out)` writes a group's
+/// inputs in the kernel's order.
+fn arrange_groups(
+    x: &[f32],
+    cols: usize,
+    out: &mut AlignedFloats,
+    arrange: impl Fn(&[f32], &mut [f32]),
+) {
     assert!(
         cols.is_multiple_of(32) && x.len().is_multiple_of(cols),
         "packed rows hold whole groups of 32"
     );
     let out = out.filled(x.len());
     for (group, arranged) in x.chunks_exact(32).zip(out.chunks_exact_mut(32)) {
-        for (i, input) in arranged.iter_mut().enumerate() {
-            *input = group[group_lane_input(i / 8, i % 8)];
-        }
+        arrange(group, arranged);
+    }
+}
+
+/// A group's inputs in `InputOrder::GroupLanes`.
+fn group_lanes(group: &[f32], out: &mut [f32]) {
+    for (i, input) in out.iter_mut().enumerate() {
+        *input = group[group_lane_input(i / 8, i % 8)];
     }
 }
 
@@ -883,7 +885,7 @@ pub(crate) mod q8_activations;
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{GroupFormat, TILE_ROWS};
+    use super::{GroupFormat, TILE_GROUPS, TILE_ROWS};
     use crate::cpu::formats::e8m0_scale;
     use crate::cpu::matmul::decode_at;
     use crate::weights::FloatFormat;
@@ -1380,10 +1382,6 @@ mod x86 {
         // Safety: the caller's guarantees.
         in_blocks_of_four!(xs, out, |block| unsafe { row_dots(row, block) });
     }
-
-    /// Groups a tile works through before moving to the next row: the inputs' slices of a block
-    /// (32 KiB for eight inputs) stay in L1 while every row of the tile reads them.
-    const TILE_GROUPS: usize = 32;
 
     /// Each of `rows` (at most `TILE_ROWS`) times `T` inputs, block of groups by block of
     /// groups: `out[r * stride + t]`. Bit-identical to `row_dots`.

@@ -5,7 +5,7 @@
 
 use std::arch::aarch64::*;
 
-use super::{GroupFormat, TILE_ROWS};
+use super::{GroupFormat, TILE_GROUPS, TILE_ROWS};
 use crate::cpu::formats::{e8m0_scale, f16_to_f32};
 use crate::cpu::matmul::decode_at;
 use crate::weights::FloatFormat;
@@ -311,10 +311,6 @@ fn row_dots<const T: usize>(row: GroupRow, xs: [&[f32]; T]) -> [f32; T] {
     // Safety: as above.
     totals.map(|t| unsafe { vaddvq_f32(t) })
 }
-
-/// Groups a tile works through before moving to the next row: the inputs' slices of a block
-/// (32 KiB for eight inputs) stay in L1 while every row of the tile reads them.
-const TILE_GROUPS: usize = 32;
 
 /// Each of `rows` (at most `TILE_ROWS`) times `T` inputs, block of groups by block of groups:
 /// `out[r * stride + t]`. Bit-identical to `row_dots`.

@@ -23,7 +23,7 @@
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
-use super::super::TILE_ROWS;
+use super::super::{TILE_GROUPS, TILE_ROWS};
 use super::prefetch_ahead;
 use crate::cpu::formats::{FP4_VALUES, e8m0_scale};
 
@@ -237,7 +237,7 @@ unsafe fn row_dots<const T: usize>(row: Row, xs: [&[f32]; T]) -> [f32; T] {
     let mut sums = [_mm256_setzero_ps(); T];
     // Safety: the caller's guarantees.
     unsafe { add_groups(row, xs, 0..row.groups(), &mut sums) };
-    sums.map(|s| super::sum8(s))
+    super::sums8(&sums)
 }
 
 /// `N` rows times one input, each bit-identical to `row_dots`: group by group, every row in
@@ -258,7 +258,7 @@ unsafe fn rows_dots<const N: usize>(rows: [Row; N], x: &[f32]) -> [f32; N] {
             unsafe { add_group(row, g, [x], tables, std::array::from_mut(sum)) };
         }
     }
-    sums.map(|s| super::sum8(s))
+    super::sums8(&sums)
 }
 
 /// `rows_dots` of eight rows that all fold, the rows spelled out so that the eight sums stay in
@@ -289,7 +289,7 @@ unsafe fn eight_folding_rows(rows: [Row; 8], x: &[f32]) -> [f32; 8] {
     for g in 0..groups {
         each_row!(g, [0, 1, 2, 3, 4, 5, 6, 7]);
     }
-    sums.map(|s| super::sum8(s))
+    super::sums8(&sums)
 }
 
 /// # Safety
@@ -314,10 +314,6 @@ pub unsafe fn dot_mxfp4_each(blocks: &[u8], scales: &[u8], xs: &[&[f32]], out: &
     });
 }
 
-/// Groups a tile works through before moving to the next row: the inputs' slices of a block
-/// (32 KiB for eight inputs) stay in L1 while every row of the tile reads them.
-const TILE_GROUPS: usize = 32;
-
 /// Each of `rows` (at most `TILE_ROWS`) times `T` inputs, block of groups by block of groups:
 /// `out[r * stride + t]`. Bit-identical to `row_dots`.
 ///
@@ -340,9 +336,7 @@ unsafe fn tile_dots<const T: usize>(
         }
     }
     for (r, sums) in sums.iter().take(rows.len()).enumerate() {
-        for (t, sum) in sums.iter().enumerate() {
-            out[r * stride + t] = super::sum8(*sum);
-        }
+        out[r * stride..r * stride + T].copy_from_slice(&super::sums8(sums));
     }
 }
 

@@ -21,8 +21,8 @@
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
-use super::super::TILE_ROWS;
 use super::super::x86::prefetch_ahead;
+use super::super::{TILE_GROUPS, TILE_ROWS};
 use crate::cpu::formats::{FP4_VALUES, e8m0_scale};
 
 /// The 16 FP4 values times one scale, aligned for one vector load.
@@ -699,10 +699,6 @@ unsafe fn rows_dots<const P: usize, const INTERLEAVED: bool>(
     }
     dots
 }
-
-/// Groups a tile works through before moving to the next row: the inputs' slices of a block
-/// (32 KiB for 8 inputs) stay in L1 while every row of the tile reads them.
-const TILE_GROUPS: usize = 32;
 
 /// Each of `rows` (at most `TILE_ROWS`) times `T` inputs, block of groups by block of groups:
 /// `out[r * stride + t]`. Bit-identical to `row_dots`.
