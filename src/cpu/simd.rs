@@ -332,7 +332,7 @@ pub fn mxfp4_dot(kernels: CpuKernels) -> PackedDot {
         #[cfg(target_arch = "x86_64")]
         CpuKernels::Avx2 => avx2_mxfp4_dot(),
         #[cfg(target_arch = "aarch64")]
-        CpuKernels::Neon => neon_packed_dot::<PACKED_MXFP4>(),
+        CpuKernels::Neon => neon_mxfp4_dot(),
         _ => PackedDot::one_at_a_time(
             InputOrder::Natural,
             crate::cpu::matmul::dot_mxfp4_scalar,
@@ -465,6 +465,19 @@ fn neon_packed_dot<const FORMAT: u8>() -> PackedDot {
         },
         tile: |rows, xs, out| neon::rows_tile(packed_format::<FORMAT>(), rows, xs, out),
         rows: |runs, x, outs| rows_with(neon_packed_dot::<FORMAT>().dot, runs, x, outs),
+    }
+}
+
+/// The NEON MXFP4 kernel through byte tables with the scales folded in.
+#[cfg(target_arch = "aarch64")]
+fn neon_mxfp4_dot() -> PackedDot {
+    use neon::byte_tables;
+    PackedDot {
+        input_order: InputOrder::GroupHalves,
+        dot: byte_tables::dot_mxfp4,
+        dot_each: byte_tables::dot_mxfp4_each,
+        tile: byte_tables::mxfp4_tile,
+        rows: byte_tables::dot_mxfp4_rows,
     }
 }
 
@@ -877,6 +890,8 @@ pub fn amx_tiles() -> bool {
     #[cfg(not(target_arch = "x86_64"))]
     false
 }
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+mod folding;
 #[cfg(target_arch = "aarch64")]
 mod neon;
 pub(crate) mod q8_activations;
@@ -2651,10 +2666,10 @@ mod tests {
         }
     }
 
-    /// Every x86 MXFP4 kernel this CPU runs that folds or scales per run: AVX2's byte tables,
-    /// AVX-512's folded one (VBMI) and its per-run one.
-    fn x86_mxfp4_kernels() -> Vec<(&'static str, PackedDot)> {
-        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))] // none elsewhere
+    /// Every MXFP4 kernel this CPU runs that folds or scales per run (the byte tables of AVX2
+    /// and NEON, AVX-512's folded one (VBMI) and its per-run one), and the per-group kernels the
+    /// byte tables replaced.
+    fn mxfp4_kernels() -> Vec<(&'static str, PackedDot)> {
         let mut kernels = Vec::new();
         #[cfg(target_arch = "x86_64")]
         if detect() >= CpuKernels::Avx2 {
@@ -2668,11 +2683,16 @@ mod tests {
                 kernels.push(("folded", mxfp4_dot(CpuKernels::Avx512)));
             }
         }
+        #[cfg(target_arch = "aarch64")]
+        {
+            kernels.push(("NEON byte tables", neon_mxfp4_dot()));
+            kernels.push(("NEON per group", neon_packed_dot::<PACKED_MXFP4>()));
+        }
         kernels
     }
 
     #[test]
-    fn x86_mxfp4_kernels_match_the_scalar_reference_at_every_scale() {
+    fn mxfp4_kernels_match_the_scalar_reference_at_every_scale() {
         let n = 2880 + 32; // 22 runs and 3 groups after them
         let mut x = values(n, 13);
         // Groups 0, 5 and 40 get scales up to 2^127 below: small inputs keep their sums finite.
@@ -2691,7 +2711,7 @@ mod tests {
         at_the_edge[0] = 254;
         // The smallest scales: weights down to 2^-128, below the normal floats.
         let tiny: Vec<u8> = (0..n / 32).map(|g| (g % 8) as u8).collect();
-        for (name, kernel) in x86_mxfp4_kernels() {
+        for (name, kernel) in mxfp4_kernels() {
             // Two runs of rows through the decode entry, which pairs row i of one with row i of
             // the other: every pairing of rows that fold and rows that do not, then a row
             // alone (at the end of either run). The same values as one by one.
@@ -2702,7 +2722,7 @@ mod tests {
             first.push(&ordinary);
             let second: Vec<&Vec<u8>> = (0..3).flat_map(|_| kinds).collect();
             // Runs of rows that all fold, one longer than the other (AVX2's kernel takes four
-            // rows of each run at a time where all eight fold).
+            // rows of each run at a time where all eight fold, NEON's two of each).
             let folding: Vec<&Vec<u8>> = vec![&ordinary, &tiny, &ordinary, &ordinary, &tiny];
             let longer: Vec<&Vec<u8>> = vec![&tiny, &ordinary, &ordinary, &tiny, &tiny, &ordinary];
             for runs in [

@@ -5,6 +5,9 @@
 
 use std::arch::aarch64::*;
 
+/// MXFP4 through byte tables with the scales folded in.
+pub(super) mod byte_tables;
+
 use super::{GroupFormat, TILE_GROUPS, TILE_ROWS};
 use crate::cpu::formats::{e8m0_scale, f16_to_f32};
 use crate::cpu::matmul::decode_at;

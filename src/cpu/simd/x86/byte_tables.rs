@@ -23,9 +23,10 @@
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
+use super::super::folding::{Row, UNSCALED, rows_side_by_side, scaled_bf16};
 use super::super::{TILE_GROUPS, TILE_ROWS};
 use super::prefetch_ahead;
-use crate::cpu::formats::{FP4_VALUES, e8m0_scale};
+use crate::cpu::formats::e8m0_scale;
 
 /// A 16-byte table in both lanes of a 256-bit register, aligned for one load.
 #[repr(C, align(32))]
@@ -41,64 +42,12 @@ struct ByteTables {
 fn byte_tables() -> &'static ByteTables {
     static TABLES: OnceLock<Box<ByteTables>> = OnceLock::new();
     TABLES.get_or_init(|| {
-        // The upper half of the scaled value's float: all of it where the scale folds.
-        let word = |s: usize, i: usize| {
-            ((FP4_VALUES[i % 16] * e8m0_scale(s as u8)).to_bits() >> 16) as u16
-        };
+        let byte = |s: usize, i: usize, k: usize| scaled_bf16(s as u8, i % 16).to_le_bytes()[k];
         Box::new(ByteTables {
-            low: std::array::from_fn(|s| LaneTable(std::array::from_fn(|i| word(s, i) as u8))),
-            high: std::array::from_fn(|s| {
-                LaneTable(std::array::from_fn(|i| (word(s, i) >> 8) as u8))
-            }),
+            low: std::array::from_fn(|s| LaneTable(std::array::from_fn(|i| byte(s, i, 0)))),
+            high: std::array::from_fn(|s| LaneTable(std::array::from_fn(|i| byte(s, i, 1)))),
         })
     })
-}
-
-/// The smallest scale byte whose scaled weights are not all exact: 6 * 2^(253 - 127) overflows.
-const FIRST_UNFOLDABLE_SCALE: u8 = 253;
-
-/// The scale byte of the unscaled values (2^0).
-const UNSCALED: u8 = 127;
-
-/// Whether every scale of a row folds into its tables exactly.
-fn folds(scales: &[u8]) -> bool {
-    // The largest, not the first that does not fold: a loop the compiler vectorizes.
-    scales.iter().fold(0u8, |m, &s| m.max(s)) < FIRST_UNFOLDABLE_SCALE
-}
-
-/// A row: packed bytes (16 per group), scale bytes, and whether the scales fold. Built only by
-/// `folding_where`, which checks that the row holds 16 bytes per scale byte: the kernels' loads
-/// of group g (`g < groups()`) rely on it.
-#[derive(Clone, Copy)]
-struct Row<'a> {
-    packed: &'a [u8],
-    scales: &'a [u8],
-    folds: bool,
-}
-
-impl<'a> Row<'a> {
-    fn new(packed: &'a [u8], scales: &'a [u8]) -> Row<'a> {
-        Row::folding_where(packed, scales, folds(scales))
-    }
-
-    /// A row whose scales fold where `folds` (which must be `folds(scales)`, or true where every
-    /// scale of a larger set folds).
-    fn folding_where(packed: &'a [u8], scales: &'a [u8], folds: bool) -> Row<'a> {
-        let groups = scales.len();
-        assert!(
-            packed.len() == 16 * groups,
-            "an MXFP4 row holds 16 bytes and one scale per group"
-        );
-        Row {
-            packed,
-            scales,
-            folds,
-        }
-    }
-
-    fn groups(&self) -> usize {
-        self.scales.len()
-    }
 }
 
 /// Group `g`'s 32 weights as 4 vectors of floats, scaled where the row folds (else unscaled):
@@ -371,52 +320,28 @@ pub unsafe fn mxfp4_tile(rows: &[(&[u8], &[u8])], xs: &[&[f32]], out: &mut [f32]
 /// As `dot_mxfp4`, for every row.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_mxfp4_rows(runs: [(&[u8], &[u8]); 2], x: &[f32], outs: [&mut [f32]; 2]) {
-    let groups = x.len() / 32;
-    for k in 0..2 {
-        assert!(
-            runs[k].0.len() == 16 * groups * outs[k].len()
-                && runs[k].1.len() == groups * outs[k].len(),
-            "consecutive MXFP4 rows hold 16 bytes and one scale per group of the input"
-        );
-    }
-    // One scan of each run's scales: where all fold, no row scans its own.
-    let all_fold = runs.map(|(_, scales)| folds(scales));
-    let row = |k: usize, r: usize| {
-        let (blocks, scales) = runs[k];
-        let scales = &scales[groups * r..groups * (r + 1)];
-        let packed = &blocks[16 * groups * r..16 * groups * (r + 1)];
-        Row::folding_where(packed, scales, all_fold[k] || folds(scales))
-    };
-    let [first, second] = outs;
-    let paired = first.len().min(second.len());
-    let mut r = 0;
-    while r + 4 <= paired {
-        let rows: [Row; 8] = std::array::from_fn(|i| row(i / 4, r + i % 4));
-        // Safety (both): the caller's guarantees.
-        let dots = if rows.iter().all(|r| r.folds) {
-            unsafe { eight_folding_rows(rows, x) }
-        } else {
-            unsafe { rows_dots(rows, x) }
-        };
-        first[r..r + 4].copy_from_slice(&dots[..4]);
-        second[r..r + 4].copy_from_slice(&dots[4..]);
-        r += 4;
-    }
-    for r in r..paired {
-        // Safety: the caller's guarantees.
-        [first[r], second[r]] = unsafe { rows_dots([row(0, r), row(1, r)], x) };
-    }
-    for (k, out) in [first, second].into_iter().enumerate() {
-        for (r, y) in out.iter_mut().enumerate().skip(paired) {
-            // Safety: the caller's guarantees.
-            *y = unsafe { row_dots(row(k, r), [x])[0] };
-        }
-    }
+    // Safety (each): the caller's guarantees.
+    rows_side_by_side::<8>(
+        runs,
+        x,
+        outs,
+        |rows| {
+            if rows.iter().all(|r| r.folds) {
+                unsafe { eight_folding_rows(rows, x) }
+            } else {
+                unsafe { rows_dots(rows, x) }
+            }
+        },
+        |rows| unsafe { rows_dots(rows, x) },
+        |row| unsafe { row_dots(row, [x])[0] },
+    );
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::super::folding::FIRST_UNFOLDABLE_SCALE;
     use super::*;
+    use crate::cpu::formats::FP4_VALUES;
 
     #[test]
     fn every_folding_scales_table_holds_its_scaled_values_exactly() {

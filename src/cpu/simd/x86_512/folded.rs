@@ -21,6 +21,7 @@
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
+use super::super::folding::{folds, scaled_bf16};
 use super::super::x86::prefetch_ahead;
 use super::super::{TILE_GROUPS, TILE_ROWS};
 use crate::cpu::formats::{FP4_VALUES, e8m0_scale};
@@ -50,20 +51,10 @@ fn scaled_tables() -> &'static Tables {
             ScaledTable(std::array::from_fn(|n| FP4_VALUES[n] * scale))
         });
         let words = std::array::from_fn(|s| {
-            WordTable(std::array::from_fn(|n| {
-                (floats[s].0[n % 16].to_bits() >> 16) as u16
-            }))
+            WordTable(std::array::from_fn(|n| scaled_bf16(s as u8, n % 16)))
         });
         Box::new(Tables { floats, words })
     })
-}
-
-/// The smallest scale byte whose folded table is not exact: 6 * 2^(253 - 127) overflows f32.
-const FIRST_UNFOLDABLE_SCALE: u8 = 253;
-
-/// Whether every scale of a row folds into its table exactly.
-fn folds(scales: &[u8]) -> bool {
-    scales.iter().fold(0u8, |m, &s| m.max(s)) < FIRST_UNFOLDABLE_SCALE
 }
 
 /// Byte p of a permuted run is byte p / 4 of group p % 4.
