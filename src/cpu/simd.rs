@@ -2670,6 +2670,10 @@ mod tests {
     /// and NEON, AVX-512's folded one (VBMI) and its per-run one), and the per-group kernels the
     /// byte tables replaced.
     fn mxfp4_kernels() -> Vec<(&'static str, PackedDot)> {
+        #[cfg_attr(
+            not(any(target_arch = "x86_64", target_arch = "aarch64")),
+            allow(unused_mut) // none elsewhere
+        )]
         let mut kernels = Vec::new();
         #[cfg(target_arch = "x86_64")]
         if detect() >= CpuKernels::Avx2 {
@@ -2725,11 +2729,17 @@ mod tests {
             // rows of each run at a time where all eight fold, NEON's two of each).
             let folding: Vec<&Vec<u8>> = vec![&ordinary, &tiny, &ordinary, &ordinary, &tiny];
             let longer: Vec<&Vec<u8>> = vec![&tiny, &ordinary, &ordinary, &tiny, &tiny, &ordinary];
+            // Runs that do not fold as a whole, whose first rows do (a batch of folding rows
+            // found row by row).
+            let folding_first: Vec<&Vec<u8>> = vec![&ordinary, &ordinary, &ordinary, &tiny, &large];
+            let then_edge: Vec<&Vec<u8>> =
+                vec![&tiny, &ordinary, &ordinary, &tiny, &ordinary, &at_the_edge];
             for runs in [
                 [&first, &second],
                 [&second, &first],
                 [&folding, &longer],
                 [&longer, &folding],
+                [&folding_first, &then_edge],
             ] {
                 let mut outs = runs.map(|run| vec![0f32; run.len()]);
                 let bytes = runs.map(|run| blocks.repeat(run.len()));

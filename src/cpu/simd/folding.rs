@@ -38,13 +38,13 @@ pub(super) fn scaled_bf16_bytes(scale: u8) -> [[u8; 16]; 2] {
 }
 
 /// A row: packed bytes (16 per group), scale bytes, and whether the scales fold. Built only by
-/// `folding_where`, which checks that the row holds 16 bytes per scale byte: the kernels' loads
-/// of group g (`g < groups()`) rely on it.
+/// `folding_where` (the fields are private), which checks that the row holds 16 bytes per scale
+/// byte: the kernels' loads of group g (`g < groups()`) rely on it.
 #[derive(Clone, Copy)]
 pub(super) struct Row<'a> {
-    pub packed: &'a [u8],
-    pub scales: &'a [u8],
-    pub folds: bool,
+    packed: &'a [u8],
+    scales: &'a [u8],
+    folds: bool,
 }
 
 impl<'a> Row<'a> {
@@ -70,6 +70,22 @@ impl<'a> Row<'a> {
     pub fn groups(&self) -> usize {
         self.scales.len()
     }
+
+    /// The packed bytes: 16 per group.
+    pub fn packed(&self) -> &'a [u8] {
+        self.packed
+    }
+
+    /// The scale bytes: one per group.
+    pub fn scales(&self) -> &'a [u8] {
+        self.scales
+    }
+
+    /// Whether every scale folds (the kernels read the scaled tables), or some does not (they
+    /// read the unscaled values and scale each group's sum).
+    pub fn folds(&self) -> bool {
+        self.folds
+    }
 }
 
 /// Two runs of consecutive rows times one input (`PackedDot::rows`): `outs[k][i] = row i of run
@@ -85,6 +101,12 @@ pub(super) fn rows_side_by_side<'a, const N: usize>(
     pair: impl Fn([Row<'a>; 2]) -> [f32; 2],
     one: impl Fn(Row<'a>) -> f32,
 ) {
+    const {
+        assert!(
+            N >= 2 && N.is_multiple_of(2),
+            "batches take as many rows of each run"
+        )
+    };
     let groups = x.len() / 32;
     for k in 0..2 {
         assert!(

@@ -53,12 +53,16 @@ type Sums = [float32x4_t; 2];
 /// Group g exists (`g < row.groups()`: `Row` holds 16 bytes per scale byte).
 #[inline(always)]
 unsafe fn group_weights(row: Row, g: usize, tables: &[ScaleTables; 256]) -> [float32x4_t; 8] {
-    let scale = if row.folds { row.scales[g] } else { UNSCALED };
+    let scale = if row.folds() {
+        row.scales()[g]
+    } else {
+        UNSCALED
+    };
     let [low, high] = &tables[scale as usize].0;
     // Safety: the group's 16 bytes exist (the caller's guarantee); each table holds 16 bytes.
     // The rest are register operations (NEON is part of the aarch64 target).
     unsafe {
-        let bytes = vld1q_u8(row.packed.as_ptr().add(16 * g));
+        let bytes = vld1q_u8(row.packed().as_ptr().add(16 * g));
         let (low, high) = (vld1q_u8(low.as_ptr()), vld1q_u8(high.as_ptr()));
         // The bf16 of each code, widened: word m of `first` is code m's, of `second` code 8 + m's.
         let floats = |codes: uint8x16_t| {
@@ -92,14 +96,14 @@ unsafe fn add_group<const T: usize>(
     tables: &[ScaleTables; 256],
     sums: &mut [Sums; T],
 ) {
-    if row.folds {
+    if row.folds() {
         // Safety: the caller's guarantees.
         unsafe { add_folding_group(row, g, xs, tables, sums) };
         return;
     }
     // Safety: the caller's guarantees.
     let w = unsafe { group_weights(row, g, tables) };
-    let scale = e8m0_scale(row.scales[g]);
+    let scale = e8m0_scale(row.scales()[g]);
     for (sums, x) in sums.iter_mut().zip(xs) {
         // Safety (each): the group's 32 inputs are in bounds (the caller's guarantee).
         let input = |v: usize| unsafe { vld1q_f32(x.as_ptr().add(32 * g + 4 * v)) };
@@ -194,7 +198,7 @@ fn rows_dots<const N: usize>(rows: [Row; N], x: &[f32]) -> [f32; N] {
     );
     let tables = byte_tables();
     let mut sums: [Sums; N] = zero_sums();
-    if rows.iter().all(|r| r.folds) {
+    if rows.iter().all(|r| r.folds()) {
         for g in 0..groups {
             for (sums, row) in sums.iter_mut().zip(rows) {
                 // Safety: group g exists in every row, which folds; its inputs are in bounds

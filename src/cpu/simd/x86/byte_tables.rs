@@ -62,15 +62,19 @@ fn byte_tables() -> &'static ByteTables {
 unsafe fn group_weights(row: Row, g: usize, tables: &ByteTables) -> [__m256; 4] {
     let at = 16 * g;
     if at.is_multiple_of(64) {
-        prefetch_ahead(row.packed.as_ptr().wrapping_add(at), 64);
+        prefetch_ahead(row.packed().as_ptr().wrapping_add(at), 64);
     }
-    let scale = if row.folds { row.scales[g] } else { UNSCALED };
+    let scale = if row.folds() {
+        row.scales()[g]
+    } else {
+        UNSCALED
+    };
     let (low, high) = (&tables.low[scale as usize], &tables.high[scale as usize]);
     // Safety: the group's 16 bytes exist (the caller's guarantee); each table holds 32 bytes,
     // aligned to 32.
     unsafe {
         let bytes =
-            _mm256_broadcastsi128_si256(_mm_loadu_si128(row.packed.as_ptr().add(at).cast()));
+            _mm256_broadcastsi128_si256(_mm_loadu_si128(row.packed().as_ptr().add(at).cast()));
         // Byte k of the low lane: the low nibble of byte k (weight 2k); of the high lane: the
         // high nibble (weight 2k + 1).
         let codes = _mm256_and_si256(
@@ -107,13 +111,13 @@ unsafe fn add_group<const T: usize>(
     tables: &ByteTables,
     sums: &mut [__m256; T],
 ) {
-    if row.folds {
+    if row.folds() {
         // Safety: the caller's guarantees.
         unsafe { add_folding_group(row, g, xs, tables, sums) };
     } else {
         // Safety: the caller's guarantees.
         let w = unsafe { group_weights(row, g, tables) };
-        let scale = _mm256_set1_ps(e8m0_scale(row.scales[g]));
+        let scale = _mm256_set1_ps(e8m0_scale(row.scales()[g]));
         for (sum, x) in sums.iter_mut().zip(xs) {
             // Safety (each): as above.
             let input = |v: usize| unsafe { _mm256_loadu_ps(x.as_ptr().add(32 * g + 8 * v)) };
@@ -221,7 +225,7 @@ unsafe fn rows_dots<const N: usize>(rows: [Row; N], x: &[f32]) -> [f32; N] {
 unsafe fn eight_folding_rows(rows: [Row; 8], x: &[f32]) -> [f32; 8] {
     let groups = rows[0].groups();
     assert!(
-        rows.iter().all(|r| r.groups() == groups && r.folds) && x.len() == 32 * groups,
+        rows.iter().all(|r| r.groups() == groups && r.folds()) && x.len() == 32 * groups,
         "eight folding rows as long as the input"
     );
     let tables = byte_tables();
@@ -326,7 +330,7 @@ pub unsafe fn dot_mxfp4_rows(runs: [(&[u8], &[u8]); 2], x: &[f32], outs: [&mut [
         x,
         outs,
         |rows| {
-            if rows.iter().all(|r| r.folds) {
+            if rows.iter().all(|r| r.folds()) {
                 unsafe { eight_folding_rows(rows, x) }
             } else {
                 unsafe { rows_dots(rows, x) }
