@@ -356,7 +356,7 @@ pub fn run_bench(
             context,
         };
         let mut marks: Vec<ExpertStats> = Vec::new();
-        let mut times: Vec<(f64, f64, f64)> = Vec::new();
+        let mut times: Vec<(f64, f64, f64)> = vec![model.timings.millis()];
         let started = Instant::now();
         let out = generate_observed(
             &mut session,
@@ -374,6 +374,20 @@ pub fn run_bench(
         let vram_budget_bytes = session
             .gpu()
             .map(|g| g.vram_experts() as u64 * vram_bytes_per_expert(&model));
+        // times[0] before the prompt, times[1] after its first token, times[2] after the last.
+        let prefill_split = (
+            times[1].0 - times[0].0,
+            times[1].1 - times[0].1,
+            times[1].2 - times[0].2,
+        );
+        log::info!(
+            "prefill of {} tokens: attention {:.1} ms, experts {:.1} ms, head {:.1} ms, in all {:.1} ms",
+            options.prompt_tokens,
+            prefill_split.0,
+            prefill_split.1,
+            prefill_split.2,
+            out.prefill_ms
+        );
         let decode = marks[1].since(&marks[0]);
         let decoded = out.decode_tokens.max(1) as f64;
         // Decode steps run at positions prompt..prompt + decoded (the first token comes from
@@ -385,7 +399,7 @@ pub fn run_bench(
             first_step..first_step + out.decode_tokens,
         );
         let decode_tokens_per_s = out.decode_tokens_per_s().unwrap_or(0.0);
-        let per_token = |of: fn(&(f64, f64, f64)) -> f64| (of(&times[1]) - of(&times[0])) / decoded;
+        let per_token = |of: fn(&(f64, f64, f64)) -> f64| (of(&times[2]) - of(&times[1])) / decoded;
         let split = (per_token(|t| t.0), per_token(|t| t.1), per_token(|t| t.2));
         log::info!(
             "decode per token: attention {:.1} ms, experts {:.1} ms, head {:.1} ms",
