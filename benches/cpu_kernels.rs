@@ -9,6 +9,8 @@
 //! - `prefill64`: a 64-token prompt through the dense shape (AMX tiles where the CPU has them;
 //!   `PICCHIO_CPU_AMX=off` for the AVX-512 kernel).
 //! - `q8`: the `--dense-format q8` versions of the dense shapes.
+//! - `mxfp4_interleaved_*` in `matvec` and `prefill8`: the experts as the CPU tier lays them out
+//!   at load where the CPU has AVX-512 VBMI (whole runs interleaved).
 //! - `mxfp4_q8_inputs_*` in `matvec` and `prefill8`: the experts with `--expert-activations q8`.
 //! - `attention`: one decoded position's attention over 128, 1024 and 4096 cached positions of a
 //!   GPT-OSS-20B layer (a `KvCache` that keeps them all, laid out as the model reads it), every
@@ -103,6 +105,14 @@ fn kernels(c: &mut Criterion) {
             group.bench_function(BenchmarkId::new(shape, tokens), |b| {
                 b.iter(|| mxfp4_matmul(&w, 0, &x, None, &mut y))
             });
+            // The layout the CPU tier gives experts at load where the CPU has a kernel for it
+            // (AVX-512 VBMI): whole runs interleaved.
+            if let Some(interleaved) = w.interleaved_copy().expect("an interleaved copy") {
+                let interleaved_shape = shape.replace("mxfp4", "mxfp4_interleaved");
+                group.bench_function(BenchmarkId::new(interleaved_shape, tokens), |b| {
+                    b.iter(|| mxfp4_matmul(&interleaved, 0, &x, None, &mut y))
+                });
+            }
             // The same expert with 8-bit inputs (`--expert-activations q8`).
             let q8_shape = shape.replace("mxfp4", "mxfp4_q8_inputs");
             group.bench_function(BenchmarkId::new(q8_shape, tokens), |b| {

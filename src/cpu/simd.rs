@@ -2918,11 +2918,32 @@ mod tests {
         let refs: Vec<(&[u8], &[u8])> = all.iter().map(|(b, s)| (&b[..], &s[..])).collect();
         let plain: Vec<(Vec<u8>, Vec<u8>)> = (0..rows).map(|r| row(&blocks, r)).collect();
         let plain_refs: Vec<(&[u8], &[u8])> = plain.iter().map(|(b, s)| (&b[..], &s[..])).collect();
-        let inputs = [input; 3];
-        let (mut a, mut b) = (vec![0f32; rows * 3], vec![0f32; rows * 3]);
-        (interleaved.tile)(&refs, &inputs, &mut a);
-        (folded.tile)(&plain_refs, &inputs, &mut b);
-        assert_eq!(bits(&a), bits(&b), "tiles");
+        // Different inputs, as many as leave every remainder of the kernels' blocks of inputs.
+        let xs: Vec<Vec<f32>> = (0..9).map(|t| values(n, 31 + t)).collect();
+        let mut arranged: Vec<AlignedFloats> =
+            xs.iter().map(|_| AlignedFloats::default()).collect();
+        let inputs: Vec<&[f32]> = xs
+            .iter()
+            .zip(&mut arranged)
+            .map(|(x, a)| folded.input_order.arrange(x, n, a))
+            .collect();
+        for count in 1..=inputs.len() {
+            let inputs = &inputs[..count];
+            let (mut a, mut b) = (vec![0f32; rows * count], vec![0f32; rows * count]);
+            (interleaved.tile)(&refs, inputs, &mut a);
+            (folded.tile)(&plain_refs, inputs, &mut b);
+            assert_eq!(bits(&a), bits(&b), "tiles of {count} inputs");
+            for (r, (m, s)) in refs.iter().enumerate() {
+                for (t, input) in inputs.iter().enumerate() {
+                    let dot = (interleaved.dot)(m, s, input);
+                    assert_eq!(
+                        a[r * count + t].to_bits(),
+                        dot.to_bits(),
+                        "row {r} input {t}"
+                    );
+                }
+            }
+        }
         let split = 4 * n / 2;
         let (scales_first, scales_second) = scales.split_at(4 * groups);
         let decode = |kernel: &PackedDot, bytes: &[u8]| {
