@@ -193,12 +193,18 @@ impl TensorBytes {
         let started = std::thread::Builder::new()
             .name("picchio-read-ahead".into())
             .spawn(move || {
+                let started = std::time::Instant::now();
                 let len = bytes.range.len();
                 for start in (0..len).step_by(CHUNK) {
                     let chunk = bytes.slice(start..(start + CHUNK).min(len));
                     chunk.populate();
                     chunk.release();
                 }
+                log::debug!(
+                    "read ahead {:.2} GB in {:.1} s",
+                    len as f64 / 1e9,
+                    started.elapsed().as_secs_f64()
+                );
             });
         if let Err(e) = started {
             log::debug!("no read-ahead thread: {e}");
