@@ -413,6 +413,17 @@ unsafe fn single_groups<const T: usize>(
     }
 }
 
+/// Groups `groups` (starting at a multiple of 4) of a folding row of `row_groups` groups, split
+/// into the whole runs among them (run indices) and the single groups after the last whole run.
+fn runs_then_groups(
+    row_groups: usize,
+    groups: std::ops::Range<usize>,
+) -> (std::ops::Range<usize>, std::ops::Range<usize>) {
+    assert!(groups.start.is_multiple_of(4));
+    let runs_end = groups.end.min(4 * (row_groups / 4)).max(groups.start);
+    (groups.start / 4..runs_end / 4, runs_end..groups.end)
+}
+
 /// Adds groups `groups` (starting at a multiple of 4) of a row times `T` inputs to `sums`: whole
 /// runs, then single groups. However a row's groups are split into calls, each sum sees the same
 /// additions in the same order.
@@ -427,16 +438,15 @@ unsafe fn row_groups<const T: usize>(
     groups: std::ops::Range<usize>,
     sums: &mut Sums<T>,
 ) {
-    assert!(groups.start.is_multiple_of(4));
-    let runs_end = if row.folds {
-        groups.end.min(4 * (row.groups() / 4)).max(groups.start)
+    let (runs, singles) = if row.folds {
+        runs_then_groups(row.groups(), groups)
     } else {
-        groups.start
+        (0..0, groups)
     };
     // Safety: the caller's guarantees.
     unsafe {
-        folded_runs(row, xs, groups.start / 4..runs_end / 4, sums);
-        single_groups(row, xs, runs_end..groups.end, sums);
+        folded_runs(row, xs, runs, sums);
+        single_groups(row, xs, singles, sums);
     }
 }
 
@@ -694,6 +704,14 @@ unsafe fn rows_dots<const P: usize, const INTERLEAVED: bool>(
     dots
 }
 
+/// Each row's sums reduced to its `T` dot products, row r's at `out[r * stride..]`.
+#[target_feature(enable = "avx512f")]
+fn store_dots<const T: usize>(sums: &[Sums<T>], (out, stride): (&mut [f32], usize)) {
+    for (r, sums) in sums.iter().enumerate() {
+        out[r * stride..r * stride + T].copy_from_slice(&reduce(sums));
+    }
+}
+
 /// Each of `rows` (at most `TILE_ROWS`) times `T` inputs, block of groups by block of groups:
 /// `out[r * stride + t]`. Bit-identical to `row_dots`.
 ///
@@ -715,9 +733,7 @@ unsafe fn tile_dots<const T: usize>(
             unsafe { row_groups(*row, xs, block.clone(), sums) };
         }
     }
-    for (r, sums) in sums.iter().take(rows.len()).enumerate() {
-        out[r * stride..r * stride + T].copy_from_slice(&reduce(sums));
-    }
+    store_dots(&sums[..rows.len()], (out, stride));
 }
 
 /// Runs `runs` of two interleaved folding rows times `T` (at most 4) inputs, added to each row's
@@ -785,39 +801,33 @@ unsafe fn paired_tile_dots<const T: usize>(
     assert!(rows.len() <= TILE_ROWS);
     let mut sums = [[[_mm512_setzero_ps(); 2]; T]; TILE_ROWS];
     let groups = rows.first().map_or(0, Row::groups);
-    let whole_runs = groups / 4;
     for block in super::super::blocks(groups, TILE_GROUPS) {
-        let runs = block.start / 4..(block.end / 4).min(whole_runs);
-        let tail = (4 * whole_runs).max(block.start)..block.end;
+        // Where both rows of a pair are interleaved, both fold: the same runs and single groups.
+        let (runs, singles) = runs_then_groups(groups, block.clone());
         let mut r = 0;
         while r < rows.len() {
-            let [first, second] = match sums[r..].split_first_chunk_mut::<2>() {
-                Some(([first, second], _)) => [first, second],
-                None => [&mut sums[r], &mut [[_mm512_setzero_ps(); 2]; T]],
-            };
             if r + 1 < rows.len() && rows[r].interleaved && rows[r + 1].interleaved {
+                let [first, second] = sums.get_disjoint_mut([r, r + 1]).expect("two rows");
                 // Safety: the caller's guarantees; both rows are interleaved, so fold.
                 unsafe {
                     interleaved_pair_runs(
                         [rows[r], rows[r + 1]],
                         xs,
                         runs.clone(),
-                        [first, second],
+                        [&mut *first, &mut *second],
                     );
-                    single_groups(rows[r], xs, tail.clone(), first);
-                    single_groups(rows[r + 1], xs, tail.clone(), second);
+                    single_groups(rows[r], xs, singles.clone(), first);
+                    single_groups(rows[r + 1], xs, singles.clone(), second);
                 }
                 r += 2;
             } else {
                 // Safety: the caller's guarantees.
-                unsafe { row_groups(rows[r], xs, block.clone(), first) };
+                unsafe { row_groups(rows[r], xs, block.clone(), &mut sums[r]) };
                 r += 1;
             }
         }
     }
-    for (r, sums) in sums.iter().take(rows.len()).enumerate() {
-        out[r * stride..r * stride + T].copy_from_slice(&reduce(sums));
-    }
+    store_dots(&sums[..rows.len()], (out, stride));
 }
 
 /// Rows (packed bytes, scale bytes; at most `TILE_ROWS`, all as long) times every input:
