@@ -2219,19 +2219,21 @@ mod x86_512 {
                 };
                 (w(0), w(1))
             };
-            let running = if g % 2 == 0 {
-                &mut totals.even
-            } else {
-                &mut totals.odd
-            };
-            for (x, total) in xs.iter().zip(running.iter_mut()) {
+            for (t, x) in xs.iter().enumerate() {
                 // Safety: group g's 32 inputs are in bounds (asserted above).
                 let sum = unsafe {
                     let x = x.as_ptr().add(32 * g);
                     let sum = _mm512_mul_ps(w0, _mm512_loadu_ps(x));
                     _mm512_fmadd_ps(w1, _mm512_loadu_ps(x.add(16)), sum)
                 };
-                *total = _mm512_fmadd_ps(sum, s, *total);
+                // Written out per parity, not through a reference to one of the two arrays:
+                // chosen at run time, that kept the totals on the stack (a store and a reload in
+                // every group's chain).
+                if g % 2 == 0 {
+                    totals.even[t] = _mm512_fmadd_ps(sum, s, totals.even[t]);
+                } else {
+                    totals.odd[t] = _mm512_fmadd_ps(sum, s, totals.odd[t]);
+                }
             }
         }
     }
