@@ -323,9 +323,8 @@ pub fn mxfp4_matmul(
     } else {
         super::simd::mxfp4_dot(super::simd::kernels())
     };
-    packed_matmul(kernel, (w.rows, w.cols), xs, bias, out, |rows| {
-        w.rows_of(expert, rows)
-    });
+    let shape = (w.rows, w.cols, packed_row_bytes(w.cols));
+    packed_matmul(kernel, shape, xs, bias, out, |rows| w.rows_of(expert, rows));
 }
 
 /// One expert's MXFP4 linear layer over one or more tokens with each input quantized to 8 bits
@@ -372,9 +371,8 @@ pub fn int4_matmul(
     out: &mut [f32],
 ) {
     let kernel = super::simd::int4_dot(super::simd::kernels());
-    packed_matmul(kernel, (w.rows, w.cols), xs, bias, out, |rows| {
-        w.rows_of(expert, rows)
-    });
+    let shape = (w.rows, w.cols, packed_row_bytes(w.cols));
+    packed_matmul(kernel, shape, xs, bias, out, |rows| w.rows_of(expert, rows));
 }
 
 /// Bytes of one packed 4-bit row of `cols` weights: half a byte each, and a scale byte (MXFP4;
@@ -383,11 +381,12 @@ fn packed_row_bytes(cols: usize) -> usize {
     cols / 2 + cols / 32
 }
 
-/// A packed 4-bit linear layer: the input rearranged once for `kernel`, then every row.
-/// `rows_of(range)` gives those rows' packed bytes and scales, back to back.
-fn packed_matmul<'w>(
+/// A linear layer of rows of groups with a scale each (4-bit, or q8): the input rearranged once
+/// for `kernel`, then every row. `rows_of(range)` gives those rows' bytes and scales, back to
+/// back; a row is `row_bytes` of them in all.
+pub(crate) fn packed_matmul<'w>(
     kernel: super::simd::PackedDot,
-    (rows, cols): (usize, usize),
+    (rows, cols, row_bytes): (usize, usize, usize),
     xs: &[f32],
     bias: Option<&[f32]>,
     out: &mut [f32],
@@ -397,13 +396,7 @@ fn packed_matmul<'w>(
     let input = kernel.input_order.arrange(xs, cols, &mut split);
     if xs.len() == cols && out.len() == rows {
         let rows_pair = |runs, outs: [&mut [f32]; 2]| (kernel.rows)(runs, input, outs);
-        in_two_streams(
-            (rows, packed_row_bytes(cols)),
-            bias,
-            out,
-            rows_of,
-            rows_pair,
-        );
+        in_two_streams((rows, row_bytes), bias, out, rows_of, rows_pair);
         return;
     }
     let row = |r: usize| rows_of(r..r + 1);
@@ -412,7 +405,7 @@ fn packed_matmul<'w>(
         (kernel.tile)(&rows, inputs, sums)
     };
     rows_times_tokens(
-        (rows, cols, packed_row_bytes(cols)),
+        (rows, cols, row_bytes),
         input,
         bias,
         out,

@@ -125,23 +125,15 @@ pub fn dot_q8_scalar(values: &[u8], scales: &[u8], x: &[f32]) -> f32 {
 
 /// A q8 linear layer over one or more tokens: `out[t][r] = row r . xs[t] + bias[r]`.
 pub fn q8_matmul(m: &Q8Matrix, xs: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
-    let dot_each = super::simd::q8_dot_each(super::simd::kernels());
-    let q8_tile = super::simd::q8_tile(super::simd::kernels());
-    let tile = |rows: std::ops::Range<usize>, inputs: &[&[f32]], sums: &mut [f32]| {
-        let rows: Vec<(&[u8], &[u8])> = rows.map(|r| m.row(r)).collect();
-        q8_tile(&rows, inputs, sums)
-    };
-    super::matmul::rows_times_tokens(
-        (m.rows, m.cols, m.cols + m.cols / 32 * 2),
-        xs,
-        bias,
-        out,
-        |r, inputs, sums| {
-            let (values, scales) = m.row(r);
-            dot_each(values, scales, inputs, sums)
-        },
-        Some(&tile),
-    );
+    let kernel = super::simd::q8_dot(super::simd::kernels());
+    let groups = m.cols / 32;
+    let shape = (m.rows, m.cols, m.cols + 2 * groups);
+    super::matmul::packed_matmul(kernel, shape, xs, bias, out, |rows| {
+        (
+            &m.values.bytes()[rows.start * m.cols..rows.end * m.cols],
+            &m.scales.bytes()[rows.start * 2 * groups..rows.end * 2 * groups],
+        )
+    });
 }
 
 /// The dense weights the CPU tier reads per token, quantized: attention projections of every

@@ -427,6 +427,14 @@ impl GroupFormat {
         }
     }
 
+    /// The order the AVX2 and NEON group kernels read a row's inputs in.
+    fn input_order(self) -> InputOrder {
+        match self {
+            GroupFormat::Q8 => InputOrder::Natural,
+            _ => InputOrder::GroupHalves,
+        }
+    }
+
     /// The weights by 4-bit code as small integers (twice the E2M1 values for MXFP4: the halving
     /// goes into the scale, exactly); unused for q8.
     fn small_integers(self) -> [i8; 16] {
@@ -443,13 +451,16 @@ impl GroupFormat {
 const PACKED_MXFP4: u8 = 0;
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 const PACKED_INT4: u8 = 1;
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+const PACKED_Q8: u8 = 2;
 
 /// The group format a packed-format parameter names.
 #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
 const fn packed_format<const FORMAT: u8>() -> GroupFormat {
     match FORMAT {
         PACKED_MXFP4 => GroupFormat::Mxfp4,
-        _ => GroupFormat::Int4,
+        PACKED_INT4 => GroupFormat::Int4,
+        _ => GroupFormat::Q8,
     }
 }
 
@@ -458,7 +469,7 @@ const fn packed_format<const FORMAT: u8>() -> GroupFormat {
 #[cfg(target_arch = "aarch64")]
 fn neon_packed_dot<const FORMAT: u8>() -> PackedDot {
     PackedDot {
-        input_order: InputOrder::GroupHalves,
+        input_order: packed_format::<FORMAT>().input_order(),
         dot: |packed, scales, x| neon::dot_row(packed_format::<FORMAT>(), packed, scales, x),
         dot_each: |packed, scales, xs, out| {
             neon::dot_row_each(packed_format::<FORMAT>(), packed, scales, xs, out)
@@ -487,7 +498,7 @@ fn neon_mxfp4_dot() -> PackedDot {
 fn avx2_packed_dot<const FORMAT: u8>() -> PackedDot {
     assert!(detect() >= CpuKernels::Avx2);
     PackedDot {
-        input_order: InputOrder::GroupHalves,
+        input_order: packed_format::<FORMAT>().input_order(),
         // Safety (all): AVX2, FMA and F16C were detected (asserted above).
         dot: |packed, scales, x| unsafe {
             x86::dot_packed_row(packed_format::<FORMAT>(), packed, scales, x)
@@ -581,52 +592,34 @@ pub fn int4_dot(kernels: CpuKernels) -> PackedDot {
     }
 }
 
-/// Dot products of one q8 row (signed bytes, an f16 scale per 32) with each of several inputs
-/// (natural order), each bit-identical to a one-input call.
-pub type Q8DotEach = PackedDotEach;
-
-/// The q8 row kernel of `kernels` (the scalar reference where the CPU lacks them).
-pub fn q8_dot_each(kernels: CpuKernels) -> Q8DotEach {
+/// The q8 row kernel of `kernels` (the scalar reference where the CPU lacks them): rows of
+/// signed bytes with an f16 scale per 32, inputs in their natural order.
+pub fn q8_dot(kernels: CpuKernels) -> PackedDot {
     match kernels.min(detect()) {
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx512 => |values, scales, xs, out| {
-            // Safety: handed out only where `detect()` found AVX-512 F/BW/VL and AVX2.
-            unsafe { x86_512::dot_q8_each(values, scales, xs, out) }
+        CpuKernels::Avx512 => PackedDot {
+            input_order: InputOrder::Natural,
+            // Safety (all): handed out only where `detect()` found AVX-512 F/BW/VL and AVX2.
+            dot: |values, scales, x| unsafe { x86_512::dot_q8_row(values, scales, x) },
+            dot_each: |values, scales, xs, out| unsafe {
+                x86_512::dot_q8_each(values, scales, xs, out)
+            },
+            tile: |rows, xs, out| unsafe { x86_512::q8_tile(rows, xs, out) },
+            rows: |runs, x, outs| unsafe { x86_512::dot_q8_rows(runs, x, outs) },
         },
         #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx2 => |values, scales, xs, out| {
-            // Safety: handed out only where `detect()` found AVX2, FMA and F16C.
-            unsafe { x86::dot_q8_each(values, scales, xs, out) }
-        },
+        CpuKernels::Avx2 => avx2_packed_dot::<PACKED_Q8>(),
         #[cfg(target_arch = "aarch64")]
-        CpuKernels::Neon => {
-            |values, scales, xs, out| neon::dot_row_each(GroupFormat::Q8, values, scales, xs, out)
-        }
-        _ => |values, scales, xs, out| {
-            for (o, x) in out.iter_mut().zip(xs) {
-                *o = crate::cpu::q8::dot_q8_scalar(values, scales, x);
-            }
-        },
-    }
-}
-
-/// The q8 tile of `kernels` (`PackedTile`'s shape: values and scales per row): AVX-512's
-/// cache-blocked one, else `q8_dot_each` per row.
-pub fn q8_tile(kernels: CpuKernels) -> PackedTile {
-    match kernels.min(detect()) {
-        #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx512 => |rows, xs, out| {
-            // Safety: handed out only where `detect()` found AVX-512 F/BW/VL and AVX2.
-            unsafe { x86_512::q8_tile(rows, xs, out) }
-        },
-        #[cfg(target_arch = "x86_64")]
-        CpuKernels::Avx2 => |rows, xs, out| {
-            // Safety: handed out only where `detect()` found AVX2, FMA and F16C.
-            unsafe { x86::q8_tile(rows, xs, out) }
-        },
-        #[cfg(target_arch = "aarch64")]
-        CpuKernels::Neon => |rows, xs, out| neon::rows_tile(GroupFormat::Q8, rows, xs, out),
-        _ => |rows, xs, out| tile_with(q8_dot_each(CpuKernels::Scalar), rows, xs, out),
+        CpuKernels::Neon => neon_packed_dot::<PACKED_Q8>(),
+        _ => PackedDot::one_at_a_time(
+            InputOrder::Natural,
+            crate::cpu::q8::dot_q8_scalar,
+            |values, scales, xs, out| {
+                each_with(crate::cpu::q8::dot_q8_scalar, values, scales, xs, out)
+            },
+            |rows, xs, out| tile_with(q8_dot(CpuKernels::Scalar).dot_each, rows, xs, out),
+            |runs, x, outs| rows_with(crate::cpu::q8::dot_q8_scalar, runs, x, outs),
+        ),
     }
 }
 
@@ -1540,24 +1533,6 @@ mod x86 {
         unsafe { rows_tile(format, rows, xs, out) }
     }
 
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; `values` holds `x.len()` signed bytes and
-    /// `scales` one little-endian f16 per 32 of them, for every input.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_q8_each(values: &[u8], scales: &[u8], xs: &[&[f32]], out: &mut [f32]) {
-        let row = GroupRow::new(GroupFormat::Q8, (values, scales));
-        // Safety: the caller's guarantees.
-        unsafe { row_dots_each(row, xs, out) }
-    }
-
-    /// # Safety
-    /// As `dot_q8_each`, for every row.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn q8_tile(rows: &[(&[u8], &[u8])], xs: &[&[f32]], out: &mut [f32]) {
-        // Safety: the caller's guarantees.
-        unsafe { rows_tile(GroupFormat::Q8, rows, xs, out) }
-    }
-
     /// MXFP4 through byte tables with the scales folded in.
     pub mod byte_tables;
 }
@@ -2212,20 +2187,10 @@ mod x86_512 {
             }
             let s = _mm512_permutexvar_ps(_mm512_set1_epi32((g % 16) as i32), decoded);
             // Safety: group g's 32 bytes are in bounds (asserted above).
-            let (w0, w1) = unsafe {
-                let w = |k: usize| {
-                    let bytes = _mm_loadu_si128(v.add(32 * g + 16 * k).cast());
-                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes))
-                };
-                (w(0), w(1))
-            };
+            let w = unsafe { q8_group_weights(v, g) };
             for (t, x) in xs.iter().enumerate() {
                 // Safety: group g's 32 inputs are in bounds (asserted above).
-                let sum = unsafe {
-                    let x = x.as_ptr().add(32 * g);
-                    let sum = _mm512_mul_ps(w0, _mm512_loadu_ps(x));
-                    _mm512_fmadd_ps(w1, _mm512_loadu_ps(x.add(16)), sum)
-                };
+                let sum = q8_group_sum(w, unsafe { group_inputs(x, g) });
                 // Written out per parity, not through a reference to one of the two arrays:
                 // chosen at run time, that kept the totals on the stack (a store and a reload in
                 // every group's chain).
@@ -2236,6 +2201,38 @@ mod x86_512 {
                 }
             }
         }
+    }
+
+    /// Group `g`'s 32 signed bytes (from `values`) as two vectors of floats.
+    ///
+    /// # Safety
+    /// AVX-512F; the group's bytes are in bounds.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn q8_group_weights(values: *const u8, g: usize) -> [__m512; 2] {
+        std::array::from_fn(|k| {
+            // Safety: the caller's guarantee.
+            let bytes = unsafe { _mm_loadu_si128(values.add(32 * g + 16 * k).cast()) };
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes))
+        })
+    }
+
+    /// Group `g`'s 32 inputs of `x` as two vectors.
+    ///
+    /// # Safety
+    /// AVX-512F; `x` holds them.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    unsafe fn group_inputs(x: &[f32], g: usize) -> [__m512; 2] {
+        // Safety: the caller's guarantee.
+        std::array::from_fn(|k| unsafe { _mm512_loadu_ps(x.as_ptr().add(32 * g + 16 * k)) })
+    }
+
+    /// A q8 group's products with its inputs, summed over pairs of lanes (before its scale).
+    #[target_feature(enable = "avx512f,fma")]
+    #[inline]
+    fn q8_group_sum([w0, w1]: [__m512; 2], [x0, x1]: [__m512; 2]) -> __m512 {
+        _mm512_fmadd_ps(w1, x1, _mm512_mul_ps(w0, x0))
     }
 
     /// The dot products `totals` hold.
@@ -2299,6 +2296,94 @@ mod x86_512 {
         for_blocks_of_four!(xs, |block, t| unsafe {
             q8_tile_tokens(rows, block, (&mut out[t..], stride))
         });
+    }
+
+    /// `N` q8 rows (each as long as the others) times one input, group by group: the group's
+    /// inputs loaded once for every row and the rows' chains side by side (one row at a time,
+    /// each group's total waits on the previous one's multiply-add). Each bit-identical to
+    /// `dot_q8_tokens::<1>`.
+    ///
+    /// # Safety
+    /// As `q8_groups`, for every row.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    #[inline]
+    unsafe fn q8_rows_dots<const N: usize>(rows: [(&[u8], &[u8]); N], x: &[f32]) -> [f32; N] {
+        let groups = x.len() / 32;
+        assert!(
+            x.len() == 32 * groups
+                && rows
+                    .iter()
+                    .all(|(v, s)| v.len() == 32 * groups && s.len() >= 2 * groups),
+            "each row holds 32 bytes and a scale per 32 inputs"
+        );
+        let mut totals = Totals::<N>::zero();
+        let mut decoded = [_mm512_setzero_ps(); N];
+        for g in 0..groups {
+            if g % 16 == 0 {
+                for (d, (_, scales)) in decoded.iter_mut().zip(&rows) {
+                    // Safety: groups g..g + n exist (asserted above).
+                    *d = unsafe { f16_scales16(scales, g, (groups - g).min(16)) };
+                }
+            }
+            if g % 2 == 0 {
+                for (values, _) in &rows {
+                    prefetch_ahead(values.as_ptr().wrapping_add(32 * g), 64);
+                }
+            }
+            let lane = _mm512_set1_epi32((g % 16) as i32);
+            // Safety: group g's inputs are in bounds (asserted above).
+            let inputs = unsafe { group_inputs(x, g) };
+            for n in 0..N {
+                // Safety: group g's bytes are in bounds (asserted above).
+                let sum = q8_group_sum(unsafe { q8_group_weights(rows[n].0.as_ptr(), g) }, inputs);
+                let s = _mm512_permutexvar_ps(lane, decoded[n]);
+                if g % 2 == 0 {
+                    totals.even[n] = _mm512_fmadd_ps(sum, s, totals.even[n]);
+                } else {
+                    totals.odd[n] = _mm512_fmadd_ps(sum, s, totals.odd[n]);
+                }
+            }
+        }
+        reduce_totals(&totals)
+    }
+
+    /// # Safety
+    /// As `q8_groups`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn dot_q8_row(values: &[u8], scales: &[u8], x: &[f32]) -> f32 {
+        // Safety: the caller's guarantees.
+        unsafe { dot_q8_tokens(values, scales, [x])[0] }
+    }
+
+    /// Decode's two runs of consecutive q8 rows (`PackedDot::rows`), four rows at a time: row
+    /// i of both runs and row i + 1 of both, then the rows one run has beyond the other's.
+    ///
+    /// # Safety
+    /// As `q8_groups`, for every row.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    pub unsafe fn dot_q8_rows(runs: [(&[u8], &[u8]); 2], x: &[f32], outs: [&mut [f32]; 2]) {
+        let groups = x.len() / 32;
+        let (bytes, scale_bytes) = (32 * groups, 2 * groups);
+        for ((values, scales), out) in runs.iter().zip(&outs) {
+            assert!(
+                values.len() == bytes * out.len() && scales.len() == scale_bytes * out.len(),
+                "consecutive rows hold 32 bytes and a scale per 32 inputs"
+            );
+        }
+        let row = |k: usize, r: usize| {
+            let (values, scales) = runs[k];
+            (
+                &values[r * bytes..(r + 1) * bytes],
+                &scales[r * scale_bytes..(r + 1) * scale_bytes],
+            )
+        };
+        // Safety (each): the caller's guarantees.
+        super::in_fours(
+            outs,
+            |r| unsafe { q8_rows_dots([row(0, r), row(1, r), row(0, r + 1), row(1, r + 1)], x) },
+            |r| unsafe { q8_rows_dots([row(0, r), row(1, r)], x) },
+            |k, r| unsafe { q8_rows_dots([row(k, r)], x)[0] },
+        );
     }
 
     /// # Safety
@@ -2490,11 +2575,10 @@ mod tests {
                 );
 
                 let q8_values: Vec<u8> = (0..n).map(|i| (i * 89 + 3) as u8).collect();
-                let mut simd = [0f32];
-                q8_dot_each(kernels)(&q8_values, &int4_scales, &[&x], &mut simd);
+                let simd = packed(q8_dot(kernels), &q8_values, &int4_scales, &x);
                 let scalar = crate::cpu::q8::dot_q8_scalar(&q8_values, &int4_scales, &x);
                 close(
-                    simd[0],
+                    simd,
                     scalar,
                     128.0 * 0.07 * x_sum,
                     &format!("{name} q8 n={n}"),
@@ -2547,7 +2631,6 @@ mod tests {
         // whole block.
         let inputs: Vec<Vec<f32>> = (0..15).map(|t| values(n, 11 + t)).collect();
         let row = bf16_bytes(&values(n, 4));
-        let blocks: Vec<u8> = (0..n / 2).map(|i| (i * 53 + 5) as u8).collect();
         let wide_blocks: Vec<u8> = (0..2 * n + 16 * TILE_ROWS)
             .map(|i| (i * 29 + 1) as u8)
             .collect();
@@ -2580,33 +2663,13 @@ mod tests {
                         }
                     }
                 }
-                let q8_values: Vec<u8> = (0..n).map(|i| (i * 71 + 9) as u8).collect();
-                q8_dot_each(kernels)(&q8_values, &int4_scales, &xs, &mut sums);
-                for (x, sum) in xs.iter().zip(&sums) {
-                    let mut one = [0f32];
-                    q8_dot_each(kernels)(&q8_values, &int4_scales, &[x], &mut one);
-                    assert_eq!(*sum, one[0], "{kernels:?} q8");
-                }
-                let q8_rows: Vec<(&[u8], &[u8])> = (0..TILE_ROWS)
-                    .map(|r| (&wide_blocks[r..r + n], &int4_scales[..]))
-                    .collect();
-                let mut tiled = vec![0f32; TILE_ROWS * count];
-                q8_tile(kernels)(&q8_rows, &xs, &mut tiled);
-                for (r, row) in q8_rows.iter().enumerate() {
-                    for (t, x) in xs.iter().enumerate() {
-                        let mut one = [0f32];
-                        q8_dot_each(kernels)(row.0, row.1, &[x], &mut one);
-                        assert_eq!(
-                            tiled[r * count + t].to_bits(),
-                            one[0].to_bits(),
-                            "{kernels:?} q8 tile"
-                        );
-                    }
-                }
-                for (kernel, scales) in [
-                    (mxfp4_dot(kernels), &scales),
-                    (int4_dot(kernels), &int4_scales),
+                // Row bytes: 4-bit codes, or q8's signed bytes.
+                for (kernel, scales, row_bytes) in [
+                    (mxfp4_dot(kernels), &scales, n / 2),
+                    (int4_dot(kernels), &int4_scales, n / 2),
+                    (q8_dot(kernels), &int4_scales, n),
                 ] {
+                    let blocks = &wide_blocks[8..8 + row_bytes];
                     let arranged: Vec<Vec<f32>> = xs
                         .iter()
                         .map(|x| {
@@ -2615,13 +2678,13 @@ mod tests {
                         })
                         .collect();
                     let refs: Vec<&[f32]> = arranged.iter().map(Vec::as_slice).collect();
-                    (kernel.dot_each)(&blocks, scales, &refs, &mut sums);
+                    (kernel.dot_each)(blocks, scales, &refs, &mut sums);
                     for (x, sum) in refs.iter().zip(&sums) {
-                        assert_eq!(*sum, (kernel.dot)(&blocks, scales, x), "{kernels:?}");
+                        assert_eq!(*sum, (kernel.dot)(blocks, scales, x), "{kernels:?}");
                     }
                     // A tile of rows (the same row's bytes shifted, so rows differ).
                     let rows: Vec<(&[u8], &[u8])> = (0..TILE_ROWS)
-                        .map(|r| (&wide_blocks[r * 16..r * 16 + n / 2], &scales[..]))
+                        .map(|r| (&wide_blocks[r * 16..r * 16 + row_bytes], &scales[..]))
                         .collect();
                     // Consecutive rows through the decode entry as two runs side by side, one
                     // input at a time: even runs, and uneven ones (rows without a partner at
@@ -2629,7 +2692,7 @@ mod tests {
                     let consecutive: Vec<u8> =
                         rows.iter().flat_map(|r| r.0.iter().copied()).collect();
                     let all_scales = scales.repeat(TILE_ROWS);
-                    let (row_bytes, row_scales) = (n / 2, scales.len());
+                    let row_scales = scales.len();
                     for (i, x) in refs.iter().enumerate() {
                         let count = [TILE_ROWS, TILE_ROWS - 1, TILE_ROWS - 1, 5][i % 4];
                         let split = [count / 2, count / 2, count / 2 + 1, 4][i % 4];
