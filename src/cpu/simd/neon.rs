@@ -89,13 +89,13 @@ fn float_finish<const T: usize>(
     format: FloatFormat,
     row: &[u8],
     xs: [&[f32]; T],
-    sums: FloatSums<T>,
+    sums: &FloatSums<T>,
 ) -> [f32; T] {
     let size = format.size();
     let n = row.len() / size;
     assert!(xs.iter().all(|x| x.len() == n));
     let mut dots = [0f32; T];
-    for ((dot, mut acc), x) in dots.iter_mut().zip(sums).zip(&xs) {
+    for ((dot, &(mut acc)), x) in dots.iter_mut().zip(sums).zip(&xs) {
         let mut i = 16 * (n / 16);
         // Safety: each load reads four values at i with i + 4 <= n; NEON is part of the target.
         unsafe {
@@ -126,7 +126,7 @@ fn dot_floats_tokens<const T: usize>(format: FloatFormat, row: &[u8], xs: [&[f32
         0..row.len() / format.size() / 16,
         &mut sums,
     );
-    float_finish(format, row, xs, sums)
+    float_finish(format, row, xs, &sums)
 }
 
 /// `row . x` for a row of bf16, f16 or f32 values.
@@ -163,7 +163,8 @@ fn float_tile<const T: usize>(
             float_steps(format, row, xs, steps.clone(), sums);
         }
     }
-    for (r, (row, sums)) in rows.iter().zip(sums).enumerate() {
+    // By reference: iterating the array by value copies all of it (16 rows' sums) per tile.
+    for (r, (row, sums)) in rows.iter().zip(&sums).enumerate() {
         out[r * stride..r * stride + T].copy_from_slice(&float_finish(format, row, xs, sums));
     }
 }
