@@ -271,15 +271,19 @@ mod tests {
         let q = Q8Matrix::quantize(&m, "test").unwrap();
         let xs: Vec<f32> = (0..3 * 64).map(|i| ((i as f32) * 0.29).cos()).collect();
         let bias: Vec<f32> = (0..7).map(|r| r as f32).collect();
-        let mut out = vec![0f32; 3 * 7];
-        q8_matmul(&q, &xs, Some(&bias), &mut out);
-        for t in 0..3 {
-            for r in 0..7 {
-                let w = q.decode_row(r);
-                let x = &xs[t * 64..(t + 1) * 64];
-                let exact: f64 = w.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64).sum();
-                let got = out[t * 7 + r] as f64 - r as f64;
-                assert!((got - exact).abs() < 1e-4, "t {t} r {r}: {got} vs {exact}");
+        // One token (decode: two streams of rows, the odd last row alone) and three (tiles).
+        for tokens in [1, 3] {
+            let xs = &xs[..tokens * 64];
+            let mut out = vec![0f32; tokens * 7];
+            q8_matmul(&q, xs, Some(&bias), &mut out);
+            for t in 0..tokens {
+                for r in 0..7 {
+                    let w = q.decode_row(r);
+                    let x = &xs[t * 64..(t + 1) * 64];
+                    let exact: f64 = w.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64).sum();
+                    let got = out[t * 7 + r] as f64 - r as f64;
+                    assert!((got - exact).abs() < 1e-4, "t {t} r {r}: {got} vs {exact}");
+                }
             }
         }
     }

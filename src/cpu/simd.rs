@@ -194,8 +194,8 @@ pub fn float_dot_each(kernels: CpuKernels) -> FloatDotEach {
     }
 }
 
-/// The dot products of one packed 4-bit row (16 bytes per 32 inputs, plus its scales), with
-/// inputs in the order the kernel reads.
+/// The dot products of one row of groups of 32 weights with a scale each (a packed 4-bit row, 16
+/// bytes per group, or a q8 row, 32), with inputs in the order the kernel reads.
 #[derive(Clone, Copy)]
 pub struct PackedDot {
     /// The order the kernel reads its input in (`InputOrder::arrange` puts it there).
@@ -1447,8 +1447,8 @@ mod x86 {
     }
 
     /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; `packed` holds 16 bytes and `scales` the
-    /// format's scale per 32 values of `x` (in `InputOrder::GroupHalves`).
+    /// The CPU must support AVX2, FMA and F16C; `packed` holds the format's bytes (16, q8's 32)
+    /// and `scales` its scale per 32 values of `x` (in `format.input_order()`).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_packed_row(
         format: GroupFormat,
@@ -2688,15 +2688,25 @@ mod tests {
                         assert_eq!(*sum, (kernel.dot)(blocks, scales, x), "{kernels:?}");
                     }
                     // A tile of rows (the same row's bytes shifted, so rows differ).
+                    // Each row its own scales too (the row's scales rotated by r groups), so that a
+                    // kernel pairing one row's bytes with another's scales fails.
+                    let scale_bytes = scales.len() / (n / 32);
+                    let row_scales: Vec<Vec<u8>> = (0..TILE_ROWS)
+                        .map(|r| {
+                            let mut rotated = scales.to_vec();
+                            rotated.rotate_left(r * scale_bytes);
+                            rotated
+                        })
+                        .collect();
                     let rows: Vec<(&[u8], &[u8])> = (0..TILE_ROWS)
-                        .map(|r| (&wide_blocks[r * 16..r * 16 + row_bytes], &scales[..]))
+                        .map(|r| (&wide_blocks[r * 16..r * 16 + row_bytes], &row_scales[r][..]))
                         .collect();
                     // Consecutive rows through the decode entry as two runs side by side, one
                     // input at a time: even runs, and uneven ones (rows without a partner at
                     // the end of the first run or of the second).
                     let consecutive: Vec<u8> =
                         rows.iter().flat_map(|r| r.0.iter().copied()).collect();
-                    let all_scales = scales.repeat(TILE_ROWS);
+                    let all_scales = row_scales.concat();
                     let row_scales = scales.len();
                     for (i, x) in refs.iter().enumerate() {
                         let count = [TILE_ROWS, TILE_ROWS - 1, TILE_ROWS - 1, 5][i % 4];
