@@ -416,11 +416,11 @@ pub(crate) fn packed_matmul<'w>(
 }
 
 /// Decode of a matrix of groups with scales (packed 4-bit, or q8): `out[r] = row r . x + bias[r]`,
-/// where `rows_pair(runs,
-/// outs)` computes two runs of consecutive rows (`rows_of(range)`) side by side. Each task takes
-/// a chunk of the first half of the rows and the same chunk of the second half, and the kernel
-/// reads them side by side: two streams from memory, far apart. Measured on the synthetic 20B's
-/// experts: 20.8 GB/s with rows read in adjacent pairs, 24-25 GB/s with one stream per half.
+/// where `rows_pair(runs, outs)` computes two runs of consecutive rows (`rows_of(range)`) side by
+/// side. Each task takes a chunk of the first half of the rows and the same chunk of the second
+/// half, and the kernel reads them side by side: two streams from memory, far apart. Measured on
+/// the synthetic 20B's experts: 20.8 GB/s with rows read in adjacent pairs, 24-25 GB/s with one
+/// stream per half.
 fn in_two_streams<'w>(
     (rows, row_bytes): (usize, usize),
     bias: Option<&[f32]>,

@@ -51,10 +51,15 @@ impl Q8Matrix {
 
     /// The values and scale bytes of row `r`.
     pub fn row(&self, r: usize) -> (&[u8], &[u8]) {
-        let groups = self.cols / 32;
+        self.rows(r..r + 1)
+    }
+
+    /// The values and scale bytes of rows `rows`, back to back.
+    pub fn rows(&self, rows: std::ops::Range<usize>) -> (&[u8], &[u8]) {
+        let scale_bytes = self.cols / 32 * 2;
         (
-            &self.values.bytes()[r * self.cols..(r + 1) * self.cols],
-            &self.scales.bytes()[r * groups * 2..(r + 1) * groups * 2],
+            &self.values.bytes()[rows.start * self.cols..rows.end * self.cols],
+            &self.scales.bytes()[rows.start * scale_bytes..rows.end * scale_bytes],
         )
     }
 
@@ -126,14 +131,8 @@ pub fn dot_q8_scalar(values: &[u8], scales: &[u8], x: &[f32]) -> f32 {
 /// A q8 linear layer over one or more tokens: `out[t][r] = row r . xs[t] + bias[r]`.
 pub fn q8_matmul(m: &Q8Matrix, xs: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
     let kernel = super::simd::q8_dot(super::simd::kernels());
-    let groups = m.cols / 32;
-    let shape = (m.rows, m.cols, m.cols + 2 * groups);
-    super::matmul::packed_matmul(kernel, shape, xs, bias, out, |rows| {
-        (
-            &m.values.bytes()[rows.start * m.cols..rows.end * m.cols],
-            &m.scales.bytes()[rows.start * 2 * groups..rows.end * 2 * groups],
-        )
-    });
+    let shape = (m.rows, m.cols, m.cols + m.cols / 32 * 2);
+    super::matmul::packed_matmul(kernel, shape, xs, bias, out, |rows| m.rows(rows));
 }
 
 /// The dense weights the CPU tier reads per token, quantized: attention projections of every
