@@ -2746,6 +2746,45 @@ mod tests {
         }
     }
 
+    /// Tiles over more inputs than one block of any kernel's (AVX2's MXFP4 panels take 16 inputs
+    /// per pass over a row's groups, four at a time), rows in every remainder of three, each
+    /// result bit-identical to one input's dot.
+    #[test]
+    fn tiles_of_many_inputs_equal_one_input_dots_bit_for_bit() {
+        let n = 32 * 45; // 45 groups: two blocks of 16 and one of 13
+        let rows = 7;
+        let bytes: Vec<u8> = (0..n + 16 * rows).map(|i| (i * 37 + 5) as u8).collect();
+        let row_scales: Vec<Vec<u8>> = (0..rows)
+            .map(|r| (0..n / 32).map(|g| 117 + ((g + 2 * r) % 7) as u8).collect())
+            .collect();
+        let inputs: Vec<Vec<f32>> = (0..37).map(|t| values(n, 40 + t)).collect();
+        for kernels in std::iter::once(CpuKernels::Scalar).chain(simd_sets()) {
+            let kernel = mxfp4_dot(kernels);
+            let arranged: Vec<Vec<f32>> = inputs
+                .iter()
+                .map(|x| {
+                    let mut a = AlignedFloats::default();
+                    kernel.input_order.arrange(x, n, &mut a).to_vec()
+                })
+                .collect();
+            let xs: Vec<&[f32]> = arranged.iter().map(Vec::as_slice).collect();
+            let tile_rows: Vec<(&[u8], &[u8])> = (0..rows)
+                .map(|r| (&bytes[16 * r..16 * r + n / 2], &row_scales[r][..]))
+                .collect();
+            let mut tiled = vec![0f32; rows * xs.len()];
+            (kernel.tile)(&tile_rows, &xs, &mut tiled);
+            for (r, (packed, scales)) in tile_rows.iter().enumerate() {
+                for (t, x) in xs.iter().enumerate() {
+                    assert_eq!(
+                        tiled[r * xs.len() + t].to_bits(),
+                        (kernel.dot)(packed, scales, x).to_bits(),
+                        "{kernels:?} row {r}, input {t}"
+                    );
+                }
+            }
+        }
+    }
+
     /// Every MXFP4 kernel this CPU runs that folds or scales per run (the byte tables of AVX2
     /// and NEON, AVX-512's folded one (VBMI) and its per-run one), and the per-group kernels the
     /// byte tables replaced.
