@@ -336,6 +336,7 @@ pub unsafe fn mxfp4_tile(rows: &[(&[u8], &[u8])], xs: &[&[f32]], out: &mut [f32]
 /// the FMA units waiting (AMD Zen 2: 4.2 cycles per row, group and input, against 2.6 here).
 const PANEL_ROWS: usize = 3;
 const PANEL_GROUPS: usize = 16;
+const PANEL_INPUTS: usize = 4;
 /// Inputs whose sums stay in one stack array while a panel's rows are decoded block by block.
 const PANEL_CHUNK: usize = 16;
 
@@ -357,7 +358,8 @@ unsafe fn panel_tile(rows: &[Row], xs: &[&[f32]], out: &mut [f32]) {
     let stride = xs.len();
     let mut panel = Panel([[[_mm256_setzero_ps(); 4]; PANEL_GROUPS]; PANEL_ROWS]);
     for (c, panel_rows) in rows.chunks(PANEL_ROWS).enumerate() {
-        for (k, chunk) in xs.chunks(PANEL_CHUNK).enumerate() {
+        for chunk in evenly(xs.len(), PANEL_CHUNK) {
+            let inputs = &xs[chunk.clone()];
             let mut sums = [[_mm256_setzero_ps(); PANEL_ROWS]; PANEL_CHUNK];
             for block in super::super::blocks(groups, PANEL_GROUPS) {
                 for (slots, row) in panel.0.iter_mut().zip(panel_rows) {
@@ -366,20 +368,43 @@ unsafe fn panel_tile(rows: &[Row], xs: &[&[f32]], out: &mut [f32]) {
                         *slot = unsafe { group_weights(*row, g, tables) };
                     }
                 }
-                for_blocks_of_four!(chunk, |inputs, t| {
-                    let sums = &mut sums[t..t + inputs.len()];
-                    // Safety: the panel holds `block` of the rows; the inputs are as long
+                for pass in evenly(inputs.len(), PANEL_INPUTS) {
+                    let (xs, sums) = (&inputs[pass.clone()], &mut sums[pass]);
+                    let rows = panel_rows.len();
+                    let block = block.clone();
+                    // Safety (each): the panel holds `block` of the rows; the inputs are as long
                     // (asserted by the caller).
-                    unsafe { panel_pass(&panel, panel_rows.len(), block.clone(), inputs, sums) };
-                });
+                    match *xs {
+                        [a] => unsafe { panel_pass(&panel, rows, block, [a], sums) },
+                        [a, b] => unsafe { panel_pass(&panel, rows, block, [a, b], sums) },
+                        [a, b, c] => unsafe { panel_pass(&panel, rows, block, [a, b, c], sums) },
+                        [a, b, c, d] => unsafe {
+                            panel_pass(&panel, rows, block, [a, b, c, d], sums)
+                        },
+                        _ => unreachable!("passes of at most PANEL_INPUTS inputs"),
+                    }
+                }
             }
-            for (t, sums) in sums.iter().take(chunk.len()).enumerate() {
+            for (t, sums) in chunk.zip(&sums) {
                 for (r, sum) in sums.iter().take(panel_rows.len()).enumerate() {
-                    out[(c * PANEL_ROWS + r) * stride + k * PANEL_CHUNK + t] = super::sum8(*sum);
+                    out[(c * PANEL_ROWS + r) * stride + t] = super::sum8(*sum);
                 }
             }
         }
     }
+}
+
+/// `0..len` in as few ranges of at most `most` as cover it, their lengths as even as can be
+/// (longest first): a pass over a few inputs keeps fewer sums in flight (on AMD Zen 2, a tile's
+/// fifth input alone took as long as the first four).
+fn evenly(len: usize, most: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let count = len.div_ceil(most);
+    let mut start = 0;
+    (0..count).map(move |i| {
+        let size = (len - start).div_ceil(count - i);
+        start += size;
+        start - size..start
+    })
 }
 
 /// One pass of `panel_tile`: the panel's first `rows` rows times `T` inputs over `groups`, added
