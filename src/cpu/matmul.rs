@@ -273,6 +273,10 @@ fn dense_matmul_using(
     out: &mut [f32],
     amx: bool,
 ) {
+    if xs.len() == m.cols {
+        dense_decode(m, xs, bias, out);
+        return;
+    }
     let dot_each = super::simd::float_dot_each(super::simd::kernels());
     let float_tile = super::simd::float_tile(super::simd::kernels());
     // Over several tokens, bf16 rows go through AMX tiles where the CPU has them.
@@ -305,6 +309,33 @@ fn dense_matmul_using(
         |r, inputs, sums| dot_each(m.format, m.row(r), inputs, sums),
         Some(&tile),
     );
+}
+
+/// `dense_matmul` of one token (decode): each task a chunk of consecutive rows through the
+/// kernel's `FloatRows` (several rows' sums in flight), the bias added while the sums are in this
+/// core's cache.
+fn dense_decode(m: &DenseMatrix, x: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
+    assert_eq!(out.len(), m.rows, "output has the wrong size");
+    if let Some(b) = bias {
+        assert_eq!(b.len(), m.rows, "bias has the wrong size");
+    }
+    // On a cache line: see `AlignedFloats`.
+    let mut aligned = super::simd::AlignedFloats::default();
+    let x = super::simd::InputOrder::Natural.arrange(x, m.cols, &mut aligned);
+    let float_rows = super::simd::float_rows(super::simd::kernels());
+    let width = m.cols * m.format.size();
+    let rows_per_task = decode_rows_per_task(m.rows, width);
+    out.par_chunks_mut(rows_per_task)
+        .enumerate()
+        .with_max_len(1) // See `DECODE_TASK_BYTES`.
+        .for_each(|(chunk, ys)| {
+            let first = chunk * rows_per_task;
+            let bytes = &m.data.bytes()[first * width..(first + ys.len()) * width];
+            float_rows(m.format, bytes, x, ys);
+            if let Some(bias) = bias {
+                add_into(ys, &bias[first..]);
+            }
+        });
 }
 
 /// One expert's MXFP4 linear layer over one or more tokens.

@@ -194,6 +194,49 @@ pub fn float_dot_each(kernels: CpuKernels) -> FloatDotEach {
     }
 }
 
+/// Consecutive stored float rows (each as long as `x`) times one input, `out[r] = row r . x`,
+/// each bit-identical to `float_dot`'s: decode's form, several rows' sums in flight.
+pub type FloatRows = fn(FloatFormat, &[u8], &[f32], &mut [f32]);
+
+/// The float rows kernel of `kernels`: AVX2's takes four rows at a time (one running sum per row
+/// and input, so one row alone leaves the multiply-adds waiting on each other); the others take
+/// the rows one at a time through `float_dot_each`.
+pub fn float_rows(kernels: CpuKernels) -> FloatRows {
+    match kernels.min(detect()) {
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx2 => |format, rows, x, out| {
+            // Safety: handed out only where `detect()` found AVX2, FMA and F16C.
+            unsafe { x86::dot_float_rows(format, rows, x, out) }
+        },
+        #[cfg(target_arch = "x86_64")]
+        CpuKernels::Avx512 => |format, rows, x, out| {
+            float_rows_with(float_dot_each(CpuKernels::Avx512), format, rows, x, out)
+        },
+        #[cfg(target_arch = "aarch64")]
+        CpuKernels::Neon => |format, rows, x, out| {
+            float_rows_with(float_dot_each(CpuKernels::Neon), format, rows, x, out)
+        },
+        _ => |format, rows, x, out| {
+            float_rows_with(float_dot_each(CpuKernels::Scalar), format, rows, x, out)
+        },
+    }
+}
+
+/// A `FloatRows` of `dot_each` row by row.
+fn float_rows_with(
+    dot_each: FloatDotEach,
+    format: FloatFormat,
+    rows: &[u8],
+    x: &[f32],
+    out: &mut [f32],
+) {
+    let width = format.size() * x.len();
+    assert_eq!(rows.len(), width * out.len(), "one output per row");
+    for (row, y) in rows.chunks_exact(width).zip(out) {
+        dot_each(format, row, &[x], std::slice::from_mut(y));
+    }
+}
+
 /// The dot products of one row of groups of 32 weights with a scale each (a packed 4-bit row, 16
 /// bytes per group, or a q8 row, 32), with inputs in the order the kernel reads.
 #[derive(Clone, Copy)]
@@ -644,6 +687,19 @@ fn blocks(len: usize, size: usize) -> impl Iterator<Item = std::ops::Range<usize
         .map(move |start| start..(start + size).min(len))
 }
 
+/// `0..len` in as few ranges of at most `most` as cover it, their lengths as even as can be
+/// (longest first): a pass over a few inputs keeps fewer sums in flight (on AMD Zen 2, a tile's
+/// fifth input alone took as long as the first four).
+fn evenly(len: usize, most: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let count = len.div_ceil(most);
+    let mut start = 0;
+    (0..count).map(move |i| {
+        let size = (len - start).div_ceil(count - i);
+        start += size;
+        start - size..start
+    })
+}
+
 /// The order a packed kernel reads its input in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum InputOrder {
@@ -822,14 +878,6 @@ macro_rules! for_blocks_of {
     }};
 }
 
-/// `for_blocks_of!` three inputs at a time.
-#[cfg(target_arch = "x86_64")]
-macro_rules! for_blocks_of_three {
-    ($xs:expr, |$block:ident, $t:ident| $call:expr) => {
-        for_blocks_of!(3, [1, 2], $xs, |$block, $t| $call)
-    };
-}
-
 /// `for_blocks_of!` four inputs at a time.
 macro_rules! for_blocks_of_four {
     ($xs:expr, |$block:ident, $t:ident| $call:expr) => {
@@ -856,14 +904,6 @@ macro_rules! in_blocks {
             out[t..t + sums.len()].copy_from_slice(&sums);
         });
     }};
-}
-
-/// `in_blocks!` three inputs at a time.
-#[cfg(target_arch = "x86_64")]
-macro_rules! in_blocks_of_three {
-    ($xs:expr, $out:expr, |$block:ident| $call:expr) => {
-        in_blocks!(for_blocks_of_three, $xs, $out, |$block| $call)
-    };
 }
 
 /// `in_blocks!` four inputs at a time.
@@ -895,7 +935,6 @@ mod x86 {
 
     use super::{GroupFormat, TILE_GROUPS, TILE_ROWS};
     use crate::cpu::formats::e8m0_scale;
-    use crate::cpu::matmul::decode_at;
     use crate::weights::FloatFormat;
 
     /// How far ahead of the bytes being read the kernels ask for the next ones: into L1 a little
@@ -974,203 +1013,9 @@ mod x86 {
         }
     }
 
-    /// Four running sums per input, 8 lanes each: value `32 s + 8 k + j` of a float row goes
-    /// into lane j of sum k.
-    type FloatSums<const T: usize> = [[__m256; 4]; T];
-
-    /// Adds the 32-value steps `steps` of `row` (in `FORMAT`) times `T` inputs to `sums`, each
-    /// vector of the row decoded once for all inputs, asking for the row's bytes ahead where
-    /// `prefetch` (where they come from memory, not from a cache a pass before left them in).
-    ///
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn float_steps<const T: usize, const FORMAT: u8>(
-        row: &[u8],
-        xs: [&[f32]; T],
-        steps: std::ops::Range<usize>,
-        sums: &mut FloatSums<T>,
-        prefetch: bool,
-    ) {
-        let size = format_of::<FORMAT>().size();
-        let n = row.len() / size;
-        assert!(32 * steps.end <= n && xs.iter().all(|x| x.len() == n));
-        let mut acc = *sums;
-        for s in steps {
-            let i = 32 * s;
-            if prefetch {
-                prefetch_ahead(row.as_ptr().wrapping_add(size * i), 32 * size);
-            }
-            for k in 0..4 {
-                let at = i + 8 * k;
-                // Safety: at + 8 <= n (asserted above), so 8 values of the row and of each input
-                // are in bounds.
-                let w = unsafe { load8(format_of::<FORMAT>(), row.as_ptr().add(size * at)) };
-                for (a, x) in acc.iter_mut().zip(&xs) {
-                    // Safety: as above.
-                    let x = unsafe { _mm256_loadu_ps(x.as_ptr().add(at)) };
-                    a[k] = _mm256_fmadd_ps(w, x, a[k]);
-                }
-            }
-        }
-        *sums = acc;
-    }
-
-    /// `float_steps` over steps `steps` of `row`, in whatever format it is.
-    ///
-    /// # Safety
-    /// As `float_steps`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn float_steps_of<const T: usize>(
-        format: FloatFormat,
-        row: &[u8],
-        xs: [&[f32]; T],
-        steps: std::ops::Range<usize>,
-        sums: &mut FloatSums<T>,
-        prefetch: bool,
-    ) {
-        // Safety: the caller's guarantees.
-        unsafe {
-            match format {
-                FloatFormat::Bf16 => float_steps::<T, BF16>(row, xs, steps, sums, prefetch),
-                FloatFormat::F16 => float_steps::<T, F16>(row, xs, steps, sums, prefetch),
-                FloatFormat::F32 => float_steps::<T, F32>(row, xs, steps, sums, prefetch),
-            }
-        }
-    }
-
-    /// Each input's dot product with `row` from its sums over the whole 32-value steps: the
-    /// 8-value steps after them into sum 0, the four sums added pairwise, the last values one by
-    /// one.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; `row` holds as many values as each input.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn float_finish<const T: usize>(
-        format: FloatFormat,
-        row: &[u8],
-        xs: [&[f32]; T],
-        sums: &FloatSums<T>,
-    ) -> [f32; T] {
-        let size = format.size();
-        let n = row.len() / size;
-        assert!(xs.iter().all(|x| x.len() == n));
-        let mut dots = [0f32; T];
-        for ((dot, &(mut acc)), x) in dots.iter_mut().zip(sums).zip(&xs) {
-            let mut i = 32 * (n / 32);
-            while i + 8 <= n {
-                // Safety: i + 8 <= n.
-                let (w, xv) = unsafe {
-                    (
-                        load8(format, row.as_ptr().add(size * i)),
-                        _mm256_loadu_ps(x.as_ptr().add(i)),
-                    )
-                };
-                acc[0] = _mm256_fmadd_ps(w, xv, acc[0]);
-                i += 8;
-            }
-            let total = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-            *dot = sum8(total);
-            for (k, xk) in x.iter().enumerate().skip(i) {
-                *dot += decode_at(format, row, k) * xk;
-            }
-        }
-        dots
-    }
-
-    /// `row` times each of `T` inputs.
-    ///
-    /// # Safety
-    /// As `float_finish`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn dot_floats_tokens<const T: usize>(
-        format: FloatFormat,
-        row: &[u8],
-        xs: [&[f32]; T],
-    ) -> [f32; T] {
-        let mut sums = [[_mm256_setzero_ps(); 4]; T];
-        let steps = row.len() / format.size() / 32;
-        // Safety: the caller's guarantees.
-        unsafe {
-            float_steps_of(format, row, xs, 0..steps, &mut sums, true);
-            float_finish(format, row, xs, &sums)
-        }
-    }
-
-    /// # Safety
-    /// The CPU must support AVX2, FMA and F16C; `row` holds `x.len()` values of `format`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_floats(format: FloatFormat, row: &[u8], x: &[f32]) -> f32 {
-        assert_eq!(row.len(), format.size() * x.len());
-        // Safety: the caller's guarantees.
-        unsafe { dot_floats_tokens(format, row, [x])[0] }
-    }
-
-    /// `out[t] = row . xs[t]`, three inputs at a time (their 12 sums and a decoded vector fill
-    /// the 16 registers).
-    ///
-    /// # Safety
-    /// As `dot_floats`, for every input.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_floats_each(format: FloatFormat, row: &[u8], xs: &[&[f32]], out: &mut [f32]) {
-        assert!(xs.iter().all(|x| row.len() == format.size() * x.len()));
-        // Safety: the caller's guarantees.
-        in_blocks_of_three!(xs, out, |block| unsafe {
-            dot_floats_tokens(format, row, block)
-        });
-    }
-
-    /// Each of `rows` (at most `TILE_ROWS`) times `T` inputs, `out[r * stride + t]`: 1024 values
-    /// of every row before the next 1024, so that the inputs' slices (12 KiB for three) stay in
-    /// L1 across the rows (blocks of 512 cost 4-5% more on AMD Zen 2: each block of a row loads
-    /// and stores its sums). Bit-identical to `dot_floats`. The rows' bytes ahead are asked for where `prefetch` (the
-    /// first inputs of a tile: the later ones find the rows in L2, and the prefetches took 12% of
-    /// a 64-token tile on AMD Zen 2).
-    ///
-    /// # Safety
-    /// As `dot_floats`, for every row and input.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn float_tile<const T: usize>(
-        format: FloatFormat,
-        rows: &[&[u8]],
-        xs: [&[f32]; T],
-        (out, stride): (&mut [f32], usize),
-        prefetch: bool,
-    ) {
-        let n = super::float_tile_len(format, rows, &xs);
-        let mut sums = [[[_mm256_setzero_ps(); 4]; T]; TILE_ROWS];
-        for steps in super::blocks(n / 32, 32) {
-            for (row, sums) in rows.iter().zip(sums.iter_mut()) {
-                // Safety: the caller's guarantees; the lengths were checked above.
-                unsafe { float_steps_of(format, row, xs, steps.clone(), sums, prefetch) };
-            }
-        }
-        // By reference: iterating the array by value copied all of it (16 rows' sums) per tile.
-        for (r, (row, sums)) in rows.iter().zip(&sums).enumerate() {
-            // Safety: as above.
-            let dots = unsafe { float_finish(format, row, xs, sums) };
-            out[r * stride..r * stride + T].copy_from_slice(&dots);
-        }
-    }
-
-    /// Rows (at most `TILE_ROWS`) times every input, `out[r * xs.len() + t]`, three inputs at a
-    /// time.
-    ///
-    /// # Safety
-    /// As `dot_floats`, for every row and input.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn floats_tile(format: FloatFormat, rows: &[&[u8]], xs: &[&[f32]], out: &mut [f32]) {
-        let stride = xs.len();
-        // Safety: the caller's guarantees.
-        for_blocks_of_three!(xs, |block, t| unsafe {
-            float_tile(format, rows, block, (&mut out[t..], stride), t == 0)
-        });
-    }
+    /// Float rows: one running sum per row and input.
+    mod floats;
+    pub use floats::{dot_float_rows, dot_floats, dot_floats_each, floats_tile};
 
     /// What group `g` of `row` (its weights as `group_weights` gives them) is multiplied by.
     #[target_feature(enable = "avx2,f16c")]
@@ -2663,6 +2508,21 @@ mod tests {
                 let float_rows: Vec<&[u8]> = (0..TILE_ROWS)
                     .map(|r| &wide_blocks[2 * r..2 * r + 2 * n])
                     .collect();
+                // Consecutive rows through decode's entry, one input: every remainder of its
+                // blocks of rows.
+                let consecutive_rows = bf16_bytes(&values(9 * n, 77));
+                for rows in [1, 2, 3, 5, 9] {
+                    let bytes = &consecutive_rows[..2 * n * rows];
+                    let mut each_row = vec![0f32; rows];
+                    super::float_rows(kernels)(FloatFormat::Bf16, bytes, xs[0], &mut each_row);
+                    for (r, row) in bytes.chunks_exact(2 * n).enumerate() {
+                        assert_eq!(
+                            each_row[r].to_bits(),
+                            float_dot(kernels)(FloatFormat::Bf16, row, xs[0]).to_bits(),
+                            "{kernels:?} float rows of {rows}, row {r}"
+                        );
+                    }
+                }
                 // Row counts that leave every remainder of the tile's blocks of rows.
                 for rows in [1, 6, 7, TILE_ROWS] {
                     let mut tiled = vec![0f32; rows * count];

@@ -26,7 +26,7 @@ use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
 use super::super::folding::{Row, UNSCALED, rows_side_by_side, scaled_bf16};
-use super::super::{TILE_GROUPS, TILE_ROWS};
+use super::super::{TILE_GROUPS, TILE_ROWS, evenly};
 use super::prefetch_ahead;
 use crate::cpu::formats::e8m0_scale;
 
@@ -392,19 +392,6 @@ unsafe fn panel_tile(rows: &[Row], xs: &[&[f32]], out: &mut [f32]) {
             }
         }
     }
-}
-
-/// `0..len` in as few ranges of at most `most` as cover it, their lengths as even as can be
-/// (longest first): a pass over a few inputs keeps fewer sums in flight (on AMD Zen 2, a tile's
-/// fifth input alone took as long as the first four).
-fn evenly(len: usize, most: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
-    let count = len.div_ceil(most);
-    let mut start = 0;
-    (0..count).map(move |i| {
-        let size = (len - start).div_ceil(count - i);
-        start += size;
-        start - size..start
-    })
 }
 
 /// One pass of `panel_tile`: the panel's first `rows` rows times `T` inputs over `groups`, added
