@@ -690,6 +690,7 @@ fn blocks(len: usize, size: usize) -> impl Iterator<Item = std::ops::Range<usize
 /// `0..len` in as few ranges of at most `most` as cover it, their lengths as even as can be
 /// (longest first): a pass over a few inputs keeps fewer sums in flight (on AMD Zen 2, a tile's
 /// fifth input alone took as long as the first four).
+#[cfg(target_arch = "x86_64")]
 fn evenly(len: usize, most: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
     let count = len.div_ceil(most);
     let mut start = 0;
