@@ -701,6 +701,21 @@ fn evenly(len: usize, most: usize) -> impl Iterator<Item = std::ops::Range<usize
     })
 }
 
+/// The first slots of `slots` filled from `ranges` (which must fit): `evenly`'s ranges worked
+/// out once where a loop would redo each one's division per pass.
+#[cfg(target_arch = "x86_64")]
+fn filled(
+    slots: &mut [std::ops::Range<usize>],
+    ranges: impl Iterator<Item = std::ops::Range<usize>>,
+) -> &[std::ops::Range<usize>] {
+    let mut count = 0;
+    for (slot, range) in slots.iter_mut().zip(ranges) {
+        *slot = range;
+        count += 1;
+    }
+    &slots[..count]
+}
+
 /// The order a packed kernel reads its input in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum InputOrder {

@@ -26,7 +26,7 @@ use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
 use super::super::folding::{Row, UNSCALED, rows_side_by_side, scaled_bf16};
-use super::super::{TILE_GROUPS, TILE_ROWS, evenly};
+use super::super::{TILE_GROUPS, TILE_ROWS, evenly, filled};
 use super::prefetch_ahead;
 use crate::cpu::formats::e8m0_scale;
 
@@ -360,6 +360,9 @@ unsafe fn panel_tile(rows: &[Row], xs: &[&[f32]], out: &mut [f32]) {
     for (c, panel_rows) in rows.chunks(PANEL_ROWS).enumerate() {
         for chunk in evenly(xs.len(), PANEL_CHUNK) {
             let inputs = &xs[chunk.clone()];
+            // The passes' inputs, worked out once for all blocks of groups.
+            let mut passes: [_; PANEL_CHUNK.div_ceil(PANEL_INPUTS)] = std::array::from_fn(|_| 0..0);
+            let passes = filled(&mut passes, evenly(inputs.len(), PANEL_INPUTS));
             let mut sums = [[_mm256_setzero_ps(); PANEL_ROWS]; PANEL_CHUNK];
             for block in super::super::blocks(groups, PANEL_GROUPS) {
                 for (slots, row) in panel.0.iter_mut().zip(panel_rows) {
@@ -368,8 +371,8 @@ unsafe fn panel_tile(rows: &[Row], xs: &[&[f32]], out: &mut [f32]) {
                         *slot = unsafe { group_weights(*row, g, tables) };
                     }
                 }
-                for pass in evenly(inputs.len(), PANEL_INPUTS) {
-                    let (xs, sums) = (&inputs[pass.clone()], &mut sums[pass]);
+                for pass in passes {
+                    let (xs, sums) = (&inputs[pass.clone()], &mut sums[pass.clone()]);
                     let rows = panel_rows.len();
                     let block = block.clone();
                     // Safety (each): the panel holds `block` of the rows; the inputs are as long

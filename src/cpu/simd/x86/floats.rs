@@ -12,7 +12,7 @@
 
 use std::arch::x86_64::*;
 
-use super::super::{TILE_ROWS, blocks, evenly, float_tile_len};
+use super::super::{TILE_ROWS, blocks, evenly, filled, float_tile_len};
 use super::{BF16, F16, F32, format_of, load8, prefetch_ahead, sum8};
 use crate::cpu::matmul::decode_at;
 use crate::weights::FloatFormat;
@@ -261,17 +261,4 @@ pub unsafe fn floats_tile(format: FloatFormat, rows: &[&[u8]], xs: &[&[f32]], ou
             }
         }
     }
-}
-
-/// The first slots of `slots` filled from `ranges` (which must fit).
-fn filled(
-    slots: &mut [std::ops::Range<usize>],
-    ranges: impl Iterator<Item = std::ops::Range<usize>>,
-) -> &[std::ops::Range<usize>] {
-    let mut count = 0;
-    for (slot, range) in slots.iter_mut().zip(ranges) {
-        *slot = range;
-        count += 1;
-    }
-    &slots[..count]
 }
