@@ -165,13 +165,13 @@ pub(crate) type Tile<'a, I> = &'a (dyn Fn(std::ops::Range<usize>, &[I], &mut [f3
 pub(crate) type FloatInputsTile<'a> =
     &'a (dyn Fn(std::ops::Range<usize>, &[&[f32]], &mut [f32]) + Sync);
 
-/// `out[t * rows + r] = dot(r, xs[t * cols..]) + bias[r]` for every token `t`, rows (of
-/// `row_bytes` weight bytes each) in parallel.
+/// `out[t * rows + r] = dot(r, xs[t * cols..]) + bias[r]` for every token `t`, rows in
+/// parallel.
 /// `dot_each(r, inputs, sums)` writes row r's dot product with each input (the kernels decode
 /// the row once for all inputs, each result bit-identical to a one-input call); `tile`, where a
 /// kernel has one, does the same for `TILE_ROWS` rows at a time, cache-blocked.
 pub(crate) fn rows_times_tokens(
-    (rows, cols, row_bytes): (usize, usize, usize),
+    (rows, cols): (usize, usize),
     xs: &[f32],
     bias: Option<&[f32]>,
     out: &mut [f32],
@@ -188,13 +188,14 @@ pub(crate) fn rows_times_tokens(
     let mut aligned = super::simd::AlignedFloats::default();
     let xs = super::simd::InputOrder::Natural.arrange(xs, cols, &mut aligned);
     let inputs: Vec<&[f32]> = xs.chunks_exact(cols).collect();
-    rows_times_inputs((rows, row_bytes), &inputs, bias, out, dot_each, tile);
+    rows_times_inputs(rows, &inputs, bias, out, dot_each, tile);
 }
 
 /// `rows_times_tokens` over inputs of any kind (f32 rows, or quantized ones): `out[t * rows + r]
-/// = dot(r, inputs[t]) + bias[r]`.
+/// = dot(r, inputs[t]) + bias[r]`. One token goes the same way, but every caller routes decode
+/// through its kernel's rows form instead (`dense_decode`, `in_two_streams`).
 pub(crate) fn rows_times_inputs<I: Sync>(
-    (rows, row_bytes): (usize, usize),
+    rows: usize,
     inputs: &[I],
     bias: Option<&[f32]>,
     out: &mut [f32],
@@ -205,20 +206,6 @@ pub(crate) fn rows_times_inputs<I: Sync>(
     assert_eq!(out.len(), tokens * rows, "output has the wrong size");
     if let Some(b) = bias {
         assert_eq!(b.len(), rows, "bias has the wrong size");
-    }
-    if tokens == 1 {
-        let rows_per_task = decode_rows_per_task(rows, row_bytes);
-        out.par_chunks_mut(rows_per_task)
-            .enumerate()
-            .with_max_len(1) // See `DECODE_TASK_BYTES`.
-            .for_each(|(chunk, ys)| {
-                for (k, y) in ys.iter_mut().enumerate() {
-                    let r = chunk * rows_per_task + k;
-                    dot_each(r, inputs, std::slice::from_mut(y));
-                    *y += bias.map_or(0.0, |b| b[r]);
-                }
-            });
-        return;
     }
     // Each row's weights are read (and decoded) once for all tokens.
     let mut by_row = vec![0f32; rows * tokens];
@@ -302,7 +289,7 @@ fn dense_matmul_using(
         float_tile(m.format, &rows, inputs, sums)
     };
     rows_times_tokens(
-        (m.rows, m.cols, m.cols * m.format.size()),
+        (m.rows, m.cols),
         xs,
         bias,
         out,
@@ -388,7 +375,7 @@ pub fn mxfp4_q8_matmul(
         let (packed, scales) = rows_of(r..r + 1);
         (kernel.dot_each)(packed, scales, inputs, sums)
     };
-    rows_times_inputs(shape, &inputs, bias, out, dot_each, None);
+    rows_times_inputs(w.rows, &inputs, bias, out, dot_each, None);
 }
 
 /// One expert's group-scaled INT4 linear layer over one or more tokens.
@@ -434,7 +421,7 @@ pub(crate) fn packed_matmul<'w>(
         (kernel.tile)(&rows, inputs, sums)
     };
     rows_times_tokens(
-        (rows, cols, row_bytes),
+        (rows, cols),
         input,
         bias,
         out,
