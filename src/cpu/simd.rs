@@ -2729,8 +2729,8 @@ mod tests {
             let mut first: Vec<&Vec<u8>> = kinds.iter().flat_map(|k| [*k; 3]).collect();
             first.push(&ordinary);
             let second: Vec<&Vec<u8>> = (0..3).flat_map(|_| kinds).collect();
-            // Runs of rows that all fold, one longer than the other (AVX2's kernel takes four
-            // rows of each run at a time where all eight fold, NEON's two of each).
+            // Runs of rows that all fold, one longer than the other (the AVX2 and NEON kernels
+            // take two rows of each run at a time where all four fold).
             let folding: Vec<&Vec<u8>> = vec![&ordinary, &tiny, &ordinary, &ordinary, &tiny];
             let longer: Vec<&Vec<u8>> = vec![&tiny, &ordinary, &ordinary, &tiny, &tiny, &ordinary];
             // Runs that do not fold as a whole, whose first rows do (a batch of folding rows
