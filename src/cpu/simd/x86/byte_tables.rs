@@ -17,11 +17,10 @@
 //! group's inputs and the sums in registers where all four fold, as in any checkpoint seen so
 //! far: `four_folding_rows`). Prefill's tiles decode three rows' groups into a panel in L1 and
 //! multiply it by four inputs at a time (twelve sums in registers, `panel_tile`); tiles with a
-//! row that does not fold take eight inputs per decoded
-//! group. The weights come out in an order of their own: inputs are read as
-//! `InputOrder::GroupLanes` arranges them. Rows with a scale of 253 or more (where a scaled
-//! weight would overflow while the scaled sum might not) decode the unscaled values and scale
-//! each group's sum instead.
+//! row that does not fold take eight inputs per decoded group. The weights come out in an order
+//! of their own: inputs are read as `InputOrder::GroupLanes` arranges them. Rows with a scale
+//! of 253 or more (where a scaled weight would overflow while the scaled sum might not) decode
+//! the unscaled values and scale each group's sum instead.
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
@@ -270,8 +269,7 @@ unsafe fn four_folding_rows(rows: [Row; 4], x: &[f32]) -> [f32; 4] {
     );
     let tables = byte_tables();
     let upper = upper_words();
-    let zero = _mm256_setzero_ps();
-    let mut sums = [zero; 4];
+    let mut sums = [_mm256_setzero_ps(); 4];
     for block in super::super::blocks(groups, 4) {
         for row in rows {
             prefetch_ahead(row.packed().as_ptr().wrapping_add(16 * block.start), 64);
