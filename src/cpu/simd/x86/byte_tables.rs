@@ -444,7 +444,11 @@ unsafe fn panel_tile(rows: &[Row], xs: &[&[f32]], out: &mut [f32]) {
     let groups = rows.first().map_or(0, Row::groups);
     let stride = xs.len();
     let mut panel = Panel([[[_mm256_setzero_ps(); 4]; PANEL_GROUPS]; PANEL_ROWS]);
-    for (c, panel_rows) in rows.chunks(PANEL_ROWS).enumerate() {
+    // Panels of two or three rows (16 rows: 3, 3, 3, 3, 2, 2): a pass over a one-row panel
+    // keeps only four sums in flight, each multiply-add waiting on the one before.
+    let mut panels: [_; TILE_ROWS.div_ceil(2)] = std::array::from_fn(|_| 0..0);
+    for panel_range in filled(&mut panels, evenly(rows.len(), PANEL_ROWS)) {
+        let panel_rows = &rows[panel_range.clone()];
         for chunk in evenly(xs.len(), PANEL_CHUNK) {
             let inputs = &xs[chunk.clone()];
             // The passes' inputs, worked out once for all blocks of groups.
@@ -476,8 +480,8 @@ unsafe fn panel_tile(rows: &[Row], xs: &[&[f32]], out: &mut [f32]) {
                 }
             }
             for (t, sums) in chunk.zip(&sums) {
-                for (r, sum) in sums.iter().take(panel_rows.len()).enumerate() {
-                    out[(c * PANEL_ROWS + r) * stride + t] = super::sum8(*sum);
+                for (r, sum) in panel_range.clone().zip(sums) {
+                    out[r * stride + t] = super::sum8(*sum);
                 }
             }
         }
