@@ -431,9 +431,10 @@ const PANEL_CHUNK: usize = 32;
 struct Panel([[[__m256; 4]; PANEL_GROUPS]; PANEL_ROWS]);
 
 /// Rows that all fold (at most `TILE_ROWS`) times every input, `out[r * xs.len() + t]`: for
-/// each `PANEL_ROWS` rows and `PANEL_CHUNK` inputs, block by block of `PANEL_GROUPS` groups, the
-/// rows' groups are decoded once into a panel (6 KiB, in L1) and multiplied by the inputs four
-/// at a time. Every sum sees the products of `add_folding_group` in the same order.
+/// each panel of up to `PANEL_ROWS` rows and `PANEL_CHUNK` inputs, block by block of
+/// `PANEL_GROUPS` groups, the rows' groups are decoded once into a panel (6 KiB, in L1) and
+/// multiplied by the inputs four at a time. Every sum sees the products of `add_folding_group`
+/// in the same order.
 ///
 /// # Safety
 /// AVX2, FMA and F16C; every row folds, all rows are as long, and every input holds 32 values
