@@ -448,6 +448,8 @@ unsafe fn panel_tile(rows: &[Row], xs: &[&[f32]], out: &mut [f32]) {
     // Panels of two or three rows (16 rows: 3, 3, 3, 3, 2, 2): a pass over a one-row panel
     // keeps only four sums in flight, each multiply-add waiting on the one before.
     let mut panels: [_; TILE_ROWS.div_ceil(2)] = std::array::from_fn(|_| 0..0);
+    // Each chunk's sums, zeroed as far as the chunk goes (all of them took 4% of a 4-input tile).
+    let mut sums = [[_mm256_setzero_ps(); PANEL_ROWS]; PANEL_CHUNK];
     for panel_range in filled(&mut panels, evenly(rows.len(), PANEL_ROWS)) {
         let panel_rows = &rows[panel_range.clone()];
         for chunk in evenly(xs.len(), PANEL_CHUNK) {
@@ -455,7 +457,8 @@ unsafe fn panel_tile(rows: &[Row], xs: &[&[f32]], out: &mut [f32]) {
             // The passes' inputs, worked out once for all blocks of groups.
             let mut passes: [_; PANEL_CHUNK.div_ceil(PANEL_INPUTS)] = std::array::from_fn(|_| 0..0);
             let passes = filled(&mut passes, evenly(inputs.len(), PANEL_INPUTS));
-            let mut sums = [[_mm256_setzero_ps(); PANEL_ROWS]; PANEL_CHUNK];
+            let sums = &mut sums[..chunk.len()];
+            sums.fill([_mm256_setzero_ps(); PANEL_ROWS]);
             for block in super::super::blocks(groups, PANEL_GROUPS) {
                 for (slots, row) in panel.0.iter_mut().zip(panel_rows) {
                     for (slot, g) in slots.iter_mut().zip(block.clone()) {
@@ -480,7 +483,7 @@ unsafe fn panel_tile(rows: &[Row], xs: &[&[f32]], out: &mut [f32]) {
                     }
                 }
             }
-            for (t, sums) in chunk.zip(&sums) {
+            for (t, sums) in chunk.zip(sums.iter()) {
                 for (r, sum) in panel_range.clone().zip(sums) {
                     out[r * stride + t] = super::sum8(*sum);
                 }
