@@ -15,9 +15,11 @@
 //! One running sum per row and input: decode takes four rows at a time (rows i and i + 1 of two
 //! streams, four sums in flight, each multiply-add waiting on the same row's one before; with the
 //! group's inputs and the sums in registers where all four fold, as in any checkpoint seen so
-//! far: `four_folding_rows`). Prefill's tiles decode three rows' groups into a panel in L1 and
-//! multiply it by four inputs at a time (twelve sums in registers, `panel_tile`); tiles with a
-//! row that does not fold take eight inputs per decoded group. The weights come out in an order
+//! far: `four_folding_rows`). Prefill's tiles of four inputs or more decode two or three rows'
+//! groups into a panel in L1 and multiply it by four inputs at a time (twelve sums in registers,
+//! `panel_tile`); of one to three inputs, two rows at a time, each group decoded into registers
+//! for all inputs (`few_inputs_tile`); tiles with a row that does not fold take eight inputs per
+//! decoded group. The weights come out in an order
 //! of their own: inputs are read as `InputOrder::GroupLanes` arranges them. Rows with a scale
 //! of 253 or more (where a scaled weight would overflow while the scaled sum might not) decode
 //! the unscaled values and scale each group's sum instead.
