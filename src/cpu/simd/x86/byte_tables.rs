@@ -19,10 +19,10 @@
 //! groups into a panel in L1 and multiply it by four inputs at a time (twelve sums in registers,
 //! `panel_tile`); of one to three inputs, two rows at a time, each group decoded into registers
 //! for all inputs (`few_inputs_tile`); tiles with a row that does not fold take eight inputs per
-//! decoded group. The weights come out in an order
-//! of their own: inputs are read as `InputOrder::GroupLanes` arranges them. Rows with a scale
-//! of 253 or more (where a scaled weight would overflow while the scaled sum might not) decode
-//! the unscaled values and scale each group's sum instead.
+//! decoded group. The weights come out in an order of their own: inputs are read as
+//! `InputOrder::GroupLanes` arranges them. Rows with a scale of 253 or more (where a scaled
+//! weight would overflow while the scaled sum might not) decode the unscaled values and scale
+//! each group's sum instead.
 
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
