@@ -124,9 +124,9 @@ pub struct Bandwidth {
 }
 
 /// Reads a `buffer_bytes` buffer `passes` times with every thread of the CPU tier's pool, as the
-/// kernels read weights (each thread its own chunks, several streams at once), and keeps the fastest pass. The
-/// buffer should be several times the last-level cache. `huge_pages` picks the page size the
-/// weights being judged live in: huge pages read faster (fewer TLB misses).
+/// kernels read weights (each thread its own chunks, several streams at once), and keeps the
+/// fastest pass. The buffer should be several times the last-level cache. `huge_pages` picks the
+/// page size the weights being judged live in: huge pages read faster (fewer TLB misses).
 pub fn measure_read_bandwidth(buffer_bytes: usize, passes: usize, huge_pages: bool) -> Bandwidth {
     let words = (buffer_bytes / 8).max(CHUNK_WORDS);
     let mut buffer = match memmap2::MmapMut::map_anon(words * 8) {
@@ -213,13 +213,12 @@ fn aligned_chunks<'a>(parts: &[&'a [u8]]) -> Vec<&'a [u64]> {
         .collect()
 }
 
-/// Streams a task of a bandwidth pass reads side by side. One sequential stream per core leaves
-/// memory idle on server cores, whose misses in flight per stream are few: on the 2-core Xeon
-/// (Emerald Rapids) VM of 2026-12-06, 256 KiB tasks read as 1, 2, 4 and 8 streams gave
-/// 20.4-23.0, 25.0-25.1, 27.5-27.6 and 27.3 GB/s (huge pages, best of 10, one process), and
-/// the decode, whose kernels read several rows or runs at once, went past the one-stream
-/// figure (26.6 GB/s against 24.8, "107%"). The limit a decode is judged against must be
-/// what the memory can give, not what one stream gets.
+/// Streams a task of a bandwidth pass reads side by side. One sequential stream per thread does
+/// not keep every machine's memory busy: on the 2-core Xeon (Emerald Rapids) VM of 2026-12-06,
+/// 256 KiB tasks read as 1, 2, 4 and 8 streams gave 20.4-23.0, 25.0-25.1, 27.5-27.6 and 27.3
+/// GB/s (huge pages, best of 10, one process), and the decode, whose kernels read several rows
+/// or runs at once, went past the one-stream figure (26.6 GB/s against 24.8, "107%"). The limit
+/// a decode is judged against must be what the memory can give, not what one stream gets.
 const READ_STREAMS: usize = 4;
 
 /// A sum that must read every word: `READ_STREAMS` equal parts of `words` read side by side,
