@@ -45,10 +45,10 @@ pub struct BenchOptions {
 pub const LONG_PROMPT_TOKENS: usize = 512;
 
 /// Passes over the buffer each bandwidth measurement makes (the best one counts). Twenty, not
-/// five: on a shared host the bandwidth a pass sees changes from one second to the next (45 to
-/// 70 GB/s on the AMD EPYC VM of 2026-11-30), and five 30 ms passes before and after the runs
-/// once all missed the fast moments: a decode reading 52 GB/s was judged against 46 (113%).
-/// More passes find the machine's limit more often, which can only lower a roofline fraction.
+/// five: on a shared host the bandwidth a pass sees changes from one second to the next, and a
+/// few short passes before and after the runs can all miss the fast moments, which judges a
+/// decode against less than the memory gives. More passes find the machine's limit more often,
+/// which can only lower a roofline fraction.
 const BANDWIDTH_PASSES: usize = 20;
 
 /// One configuration's measurements. Rates over the decode phase unless named otherwise.
@@ -131,9 +131,9 @@ pub struct BenchRun {
     pub interleaved_bandwidth_bytes_per_s: Option<f64>,
     /// Bytes per token x interleaved tokens/s / interleaved bandwidth. Where the host's memory
     /// bandwidth changes from one second to the next, the best pass before and after the runs
-    /// and the decode in between can meet different conditions (three runs within two minutes
-    /// on the AMD EPYC VM of 2026-11-30: 58%, 86% and 114% by `roofline_fraction`); each read
-    /// here follows a token, so both see the same minutes.
+    /// and the decode in between can meet different conditions (runs minutes apart can then be
+    /// far apart by `roofline_fraction`); each read here follows a token, so both see the same
+    /// minutes.
     pub interleaved_roofline_fraction: Option<f64>,
 }
 
@@ -482,10 +482,9 @@ pub fn run_bench(
         progress(done + 1, configurations.len());
     }
     if let Some(before) = bandwidth {
-        // Measured again after the runs: this machine is shared, and a busy neighbour once
-        // took a third off one measurement (huge pages 23.6 GB/s against 34.9 an hour
-        // before). Each run is judged against the better of the two, which can only lower its
-        // roofline fraction.
+        // Measured again after the runs: on a shared machine a busy neighbour can take a large
+        // share off one measurement. Each run is judged against the better of the two, which can
+        // only lower its roofline fraction.
         let after = measure_bandwidth();
         for run in &mut runs {
             let Some(huge) = run.bandwidth_huge_pages else {

@@ -157,9 +157,8 @@ impl TensorBytes {
 
     /// Gets these bytes ready for timed reads: mapped ranges are faulted in (`populate`), and
     /// copies in memory (`huge_buffer`) are read once, in parallel. The first read of memory
-    /// the process has just written can be far slower than the next ones: on the shared Xeon
-    /// VM a 4 GiB buffer read at 16 GB/s the first time and 27-28 GB/s after (the expert
-    /// matrices of a decoded token 11 against 18-19 GB/s), with no page fault in the guest.
+    /// the process has just written can be far slower than the next ones on some virtual
+    /// machines, with no page fault in the guest, and a timed run should not pay for it.
     pub fn warm(&self) {
         use rayon::prelude::*;
         match &self.backing {
@@ -180,8 +179,7 @@ impl TensorBytes {
     /// Reads a mapped range into the OS page cache on a background thread, a chunk at a time
     /// (each faulted in, then released), so the process's resident memory grows by one chunk at
     /// most: for weights read a row at a time, such as the embeddings, whose first reads would
-    /// otherwise each wait on the disk (measured on the synthetic 20B after its pages were
-    /// evicted: 2.7 ms per embedding row, 3.3 ms per decoded token). `MADV_WILLNEED` alone reads
+    /// otherwise each wait on the disk once their pages are evicted. `MADV_WILLNEED` alone reads
     /// only the first few hundred KiB. Nothing to do for bytes in memory, or off Linux (where
     /// releasing the pages is not known to leave them cached).
     pub fn read_ahead(&self) {
@@ -337,8 +335,7 @@ impl std::fmt::Debug for TensorBytes {
 }
 
 /// A zeroed anonymous buffer of `len` bytes (at least 1), backed by huge pages where the OS
-/// grants them: reads through 2 MiB pages miss the TLB far less (measured here: 33.6 GB/s
-/// against 27.2 GB/s with 4 KiB pages).
+/// grants them: reads through 2 MiB pages miss the TLB far less than through 4 KiB ones.
 pub fn huge_buffer(len: usize) -> std::io::Result<memmap2::MmapMut> {
     let buffer = memmap2::MmapMut::map_anon(len.max(1))?;
     #[cfg(target_os = "linux")]

@@ -58,11 +58,9 @@ pub fn set_threads(threads: Option<usize>) -> crate::error::Result<usize> {
 const MIN_BANDWIDTH_BUFFER_BYTES: usize = 2 << 30;
 
 /// How many times the last-level cache a bandwidth measurement reads. A cache keeps part of a
-/// buffer from one pass to the next when the buffer is only a few times its size: on the
-/// 2-core Xeon VM of the earlier sessions, whose last-level cache is 480 MiB, a 2 GiB buffer
-/// read at 27.3-30.5 GB/s and a 4 GiB one at 25.6-28.2 (same process, alternating). Decode
-/// reads about 3.7 GB between two reads of the same weights, so the smaller buffer flattered
-/// the memory a decoded token reads.
+/// buffer from one pass to the next when the buffer is only a few times its size, while a
+/// decoded token reads several GB between two reads of the same weights: a smaller buffer would
+/// flatter the memory a decoded token reads.
 const BUFFER_PER_LAST_LEVEL_CACHE: usize = 8;
 
 /// Size of the largest CPU cache, where the OS says (Linux: sysfs).
@@ -214,11 +212,9 @@ fn aligned_chunks<'a>(parts: &[&'a [u8]]) -> Vec<&'a [u64]> {
 }
 
 /// Streams a task of a bandwidth pass reads side by side. One sequential stream per thread does
-/// not keep every machine's memory busy: on the 2-core Xeon (Emerald Rapids) VM of 2026-12-06,
-/// 256 KiB tasks read as 1, 2, 4 and 8 streams gave 20.4-23.0, 25.0-25.1, 27.5-27.6 and 27.3
-/// GB/s (huge pages, best of 10, one process), and the decode, whose kernels read several rows
-/// or runs at once, went past the one-stream figure (26.6 GB/s against 24.8, "107%"). The limit
-/// a decode is judged against must be what the memory can give, not what one stream gets.
+/// not keep every machine's memory busy, and the decode, whose kernels read several rows or runs
+/// at once, can then read faster than the one-stream figure. The limit a decode is judged
+/// against must be what the memory can give, not what one stream gets.
 const READ_STREAMS: usize = 4;
 
 /// A sum that must read every word: `READ_STREAMS` equal parts of `words` read side by side,
@@ -279,7 +275,7 @@ mod tests {
             bandwidth_buffer_for(Some(24 << 20), Some(16 * gib)),
             2 * gib
         );
-        // The Xeon VM's 480 MiB: 3.75 GiB.
+        // A large server's 480 MiB: 3.75 GiB.
         assert_eq!(
             bandwidth_buffer_for(Some(480 << 20), Some(23 * gib)),
             3840 << 20

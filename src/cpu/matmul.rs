@@ -14,15 +14,13 @@ const LANES: usize = 8;
 
 /// Weight bytes one parallel task reads for a single token (decode), at least: enough to
 /// outweigh its scheduling, few enough that the threads finish a call together (the last task
-/// runs alone). Measured on the synthetic 20B: bf16 projections 64 rows at a time (368-512 KB)
-/// read at 27-28 GB/s, 16 at a time at 30-31. Each task is its own rayon job (`with_max_len(1)`):
-/// left to split adaptively, rayon ran up to a quarter of a call as one piece the other thread
-/// could not share, which then waited at the end of the call (each thread idle 4-9% of decode,
-/// sampled with perf; 3-4% with one job per task).
+/// runs alone); bf16 projections read faster 16 rows at a time than 64. Each task is its own
+/// rayon job (`with_max_len(1)`): left to split adaptively, rayon could run a large share of a
+/// call as one piece the other thread could not share, which then waited at the end of the call.
 const DECODE_TASK_BYTES: usize = 96 << 10;
 
-/// Tasks per thread a large decode call is cut into: the LM head (1.16 GB) in 96 KiB tasks read
-/// at 27.5-29.8 GB/s, in 1.5 MiB tasks at 31-32.
+/// Tasks per thread a large decode call is cut into: a matrix as large as the LM head (1.16 GB)
+/// reads faster in tasks of a MiB or more than in `DECODE_TASK_BYTES` ones.
 const DECODE_TASKS_PER_THREAD: usize = 128;
 
 /// Rows of `row_bytes` each that one decode task of a `rows`-row matrix computes: a
@@ -228,8 +226,8 @@ pub(crate) fn rows_times_inputs<I: Sync>(
         });
     // Back to one row of outputs per token, the bias added on the way (the same addition as a
     // pass of its own, one pass fewer over `by_row`), in parallel over blocks of tokens: each
-    // block reads `by_row` a few adjacent values per row (one pass over it by one thread took 2%
-    // of a 512-token prefill, while the other thread slept).
+    // block reads `by_row` a few adjacent values per row (one pass over it by one thread kept
+    // the other threads idle for a noticeable share of a long prefill).
     const TOKENS_PER_BLOCK: usize = 16;
     out.par_chunks_mut(rows * TOKENS_PER_BLOCK)
         .enumerate()
@@ -436,9 +434,8 @@ pub(crate) fn packed_matmul<'w>(
 /// Decode of a matrix of groups with scales (packed 4-bit, or q8): `out[r] = row r . x + bias[r]`,
 /// where `rows_pair(runs, outs)` computes two runs of consecutive rows (`rows_of(range)`) side by
 /// side. Each task takes a chunk of the first half of the rows and the same chunk of the second
-/// half, and the kernel reads them side by side: two streams from memory, far apart. Measured on
-/// the synthetic 20B's experts: 20.8 GB/s with rows read in adjacent pairs, 24-25 GB/s with one
-/// stream per half.
+/// half, and the kernel reads them side by side: two streams from memory, far apart, which keep
+/// more reads in flight than rows read in adjacent pairs.
 fn in_two_streams<'w>(
     (rows, row_bytes): (usize, usize),
     bias: Option<&[f32]>,
@@ -467,7 +464,7 @@ fn in_two_streams<'w>(
             ];
             rows_pair(runs, [&mut *a, &mut *b]);
             // Here, while the sums are in this core's cache: added afterwards by one thread,
-            // the biases took a tenth of the experts' decode samples (perf).
+            // the biases took a noticeable share of the experts' decode time.
             if let Some(bias) = bias {
                 add_into(a, &bias[first..]);
                 add_into(b, &bias[half + first..]);

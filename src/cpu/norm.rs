@@ -3,7 +3,7 @@
 use rayon::prelude::*;
 
 /// Normalizes each `w.len()`-long row of `x` into `out`, rows in parallel (a block's rows are
-/// independent; one at a time they took 1% of a 512-token prefill, the other thread idle).
+/// independent; one at a time they left the other threads idle in a long prefill).
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let n = w.len();
     assert_eq!(x.len(), out.len());

@@ -253,7 +253,7 @@ pub struct PackedDot {
     /// Two runs of consecutive rows times one input (decode): run k holds `outs[k].len()` rows
     /// back to back, `outs[k][i] = row i of run k . x`, each bit-identical to `dot`'s. The
     /// AVX-512 kernel computes row i of both runs side by side: two streams from memory, far
-    /// apart, which this machine reads faster than one.
+    /// apart, which keep more reads in flight than one.
     pub rows: PackedRows,
 }
 
@@ -426,8 +426,7 @@ pub fn mxfp4_interleaved_dot() -> Option<PackedDot> {
 /// place for `mxfp4_interleaved_dot`, where this process runs it: word w of a 64-byte run then
 /// holds weight w of each of the run's four groups. Reads 16-bit words where the checkpoint's
 /// layout needs a byte permute, and 4 word permutes per 128 weights where it needs 8 float ones
-/// (bit-identical results; on AMD Zen 5, 12-17% more rows per second). False, and nothing
-/// changed, elsewhere.
+/// (bit-identical results from fewer shuffles). False, and nothing changed, elsewhere.
 pub fn interleave_mxfp4_runs(packed: &mut [u8], scales: &[u8], cols: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     if mxfp4_interleaved_dot().is_some() {
@@ -688,8 +687,8 @@ fn blocks(len: usize, size: usize) -> impl Iterator<Item = std::ops::Range<usize
 }
 
 /// `0..len` in as few ranges of at most `most` as cover it, their lengths as even as can be
-/// (longest first): a pass over a few inputs keeps fewer sums in flight (on AMD Zen 2, a tile's
-/// fifth input alone took as long as the first four).
+/// (longest first): a pass over a few inputs keeps fewer sums in flight, so it costs nearly as
+/// much as a full one.
 #[cfg(target_arch = "x86_64")]
 fn evenly(len: usize, most: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
     let count = len.div_ceil(most);
@@ -768,7 +767,7 @@ struct Line([f32; 16]);
 
 /// Floats that start on a cache line. The kernels read their inputs in 64-byte vectors, and a
 /// load that spans two lines costs two: with four to eight inputs per weight (prefill's tiles),
-/// unaligned inputs cost a quarter of the speed.
+/// unaligned inputs cost a large share of the speed.
 #[derive(Default)]
 pub struct AlignedFloats {
     lines: Vec<Line>,
@@ -956,8 +955,7 @@ mod x86 {
     /// How far ahead of the bytes being read the kernels ask for the next ones: into L1 a little
     /// ahead, into L2 far ahead. Rows continue into the next row, and memory pages are small
     /// and scattered (a mapped file), so the hardware prefetchers, which stop at every 4 KiB
-    /// page, alone leave bandwidth unused (measured on the synthetic 20B: 3.7 decode tokens/s
-    /// without, 4.5 with L1 only, 4.9 with both).
+    /// page, alone leave bandwidth unused; decode ran fastest with both distances.
     const PREFETCH_L1: usize = 2048;
     const PREFETCH_L2: usize = 32768;
 
@@ -1206,8 +1204,7 @@ mod x86 {
     /// `row_dots`: group by
     /// group, the group's inputs loaded once for every row. Each row's total waits on its
     /// multiply-add at every group; with several rows the core has other rows' work meanwhile
-    /// (one row at a time: 29 cycles per 128 weights in L2 on AMD Zen 5, the multiply-adds'
-    /// latency).
+    /// (one row at a time runs at the multiply-adds' latency).
     ///
     /// # Safety
     /// AVX2, FMA and F16C; every row as long as the others, `x` 32 inputs per group of them.
@@ -1290,7 +1287,7 @@ mod x86 {
 
     /// Rows (bytes, scale bytes; at most `TILE_ROWS`, all as long) of `format` times every
     /// input: `out[r * xs.len() + t]`, eight inputs at a time (four decoded weight vectors and
-    /// eight totals in registers; 16% faster than four on the synthetic 20B's expert shapes).
+    /// eight totals in registers; faster than four on the synthetic 20B's expert shapes).
     ///
     /// # Safety
     /// AVX2, FMA and F16C.

@@ -102,8 +102,7 @@ pub struct PrefetchOptions {
     pub proxy: PrefetchProxy,
     /// Guess with every proxy and score the guesses even where nothing is prefetched (what
     /// `--stats` reports). Otherwise only the proxy that prefetches guesses: the others' router
-    /// products and norms cost decode time (about 4 ms a token on the synthetic 20B) for a
-    /// number nobody reads.
+    /// products and norms cost decode time for a number nobody reads.
     pub measure_accuracy: bool,
 }
 
@@ -157,17 +156,16 @@ pub struct ModelOptions {
     /// Whether the weights stay mapped from the checkpoint or are copied into memory.
     pub mmap: MmapMode,
     /// Lay MXFP4 experts copied into memory out for the CPU tier's AVX-512 kernel, where it
-    /// runs (`cpu::simd::interleave_mxfp4_runs`: the same results, 12-17% more expert rows per
-    /// second on AMD Zen 5). The GPU tier cannot read them then: for CPU-only runs, with exact
-    /// expert inputs.
+    /// runs (`cpu::simd::interleave_mxfp4_runs`: the same results from fewer shuffles per
+    /// weight). The GPU tier cannot read them then: for CPU-only runs, with exact expert inputs.
     pub interleave_experts: bool,
 }
 
 /// Where the weights a decoded token reads live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
 pub enum MmapMode {
-    /// Copied into memory (huge pages, about 20% more read bandwidth than the page cache's
-    /// small pages) when every expert fits the RAM budget and the available memory, else mapped.
+    /// Copied into memory (huge pages, which read faster than the page cache's small pages)
+    /// when every expert fits the RAM budget and the available memory, else mapped.
     #[default]
     Auto,
     /// Mapped from the checkpoint files (the OS page cache holds them).
@@ -489,10 +487,9 @@ impl Model {
                     embeddings.row(id as usize),
                 );
                 // Where the table is a mapped file, drop the pages the row was read through: the
-                // OS may map a whole 2 MiB folio of the page cache for one 6 KB row, and a
-                // 512-token prompt's rows, kept, counted up to 0.8 GB in the process's resident
-                // memory (peak 13.54 GB against 12.98 on the synthetic 20B). The rows stay in the
-                // page cache.
+                // OS may map a whole 2 MiB folio of the page cache for one 6 KB row, and a long
+                // prompt's rows, kept, would swell the process's resident memory. The rows stay
+                // in the page cache.
                 embeddings.data.release();
                 row
             })

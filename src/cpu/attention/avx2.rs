@@ -2,11 +2,10 @@
 //! scores of a call in per-thread scratch, the softmax).
 //!
 //! The same multiply-adds in the same order as the portable lanes code compiled for AVX2 (so the
-//! same bits, by test; NaN payloads aside), with fewer loads and the value sums in registers. On AMD Zen 5, one
-//! thread, GPT-OSS's groups of 8 heads of 64, each kv head's rows back to back as in the cache:
-//! about 130 cycles per key and group against 200-220 for the lanes code, whose scores took two
-//! loads per multiply-add (the key element's broadcast and the query's, heads in lanes; this
-//! CPU does two loads a cycle) and whose value sums went through memory at every multiply-add.
+//! same bits, by test; NaN payloads aside), with fewer loads and the value sums in registers. The
+//! lanes code's scores took two loads per multiply-add (the key element's broadcast and the
+//! query's, heads in lanes; on a core that does two loads a cycle, the loads set the pace), and
+//! its value sums went through memory at every multiply-add.
 //! Scores: elements in lanes instead, 32 of the key's values in registers meeting each head's
 //! query (`key_scores`). Values: the sums of 4 heads by 16 dimensions (8 registers), their 2
 //! value registers and one broadcast weight, over a block of keys whose value rows stay in L1; 6

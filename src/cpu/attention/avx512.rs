@@ -1,10 +1,8 @@
 //! `attend_group` in AVX-512 intrinsics: the same multiply-adds in the same order as the
-//! portable lanes code (so the same bits, by test), with the sums in registers. On AMD Zen 5,
-//! one thread, 128 keys in cache, GPT-OSS's groups of 8 heads of 64: about 120 cycles per key
-//! and group against 240 for the lanes code compiled for AVX-512, whose value sums went through
-//! memory at every multiply-add and whose score loop broadcast one key element per 8 products
-//! (92-100 cycles with each kv head's rows back to back, as the cache now holds them, and the
-//! scratch and softmax shared with the AVX2 kernel).
+//! portable lanes code (so the same bits, by test), with the sums in registers. The lanes code
+//! compiled for AVX-512 sent its value sums through memory at every multiply-add, and its score
+//! loop broadcast one key element per 8 products (the broadcasts, not the multiply-adds, set its
+//! pace).
 //!
 //! Scores: pass p's 8 heads by two elements in the 16 lanes of a register (`paired_query`), a
 //! 64-bit broadcast of a key's two elements per multiply-add, two keys at a time (each query

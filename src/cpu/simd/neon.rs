@@ -359,7 +359,7 @@ pub(super) fn dot_row_each(
 
 /// Rows (bytes, scale bytes; at most `TILE_ROWS`, all as long) of `format` times every input:
 /// `out[r * xs.len() + t]`, eight inputs at a time (eight decoded weight vectors, eight totals
-/// and one input's two sums in registers; as the AVX2 tile, where eight measured 16% faster than
+/// and one input's two sums in registers; as the AVX2 tile, where eight measured faster than
 /// four).
 pub(super) fn rows_tile(
     format: GroupFormat,

@@ -13,9 +13,7 @@ pub(crate) fn kernel(kernels: CpuKernels) -> Option<Q8Kernel> {
     // row for `dot`, rows in pairs for `rows`, each row times blocks of inputs through
     // `$blocks` (a `for_blocks_of_*` macro) for `dot_each`. The caller guarantees what `$dots`
     // needs of the CPU. AVX2 takes four inputs at a time: with eight, its sixteen registers did
-    // not hold the sums, the group's decoded weights and the constants, and the loop spilled
-    // (q8 prefill of 64 tokens on the synthetic 20B, AMD Zen 3: 10.7-10.8 tokens/s with eight,
-    // 12.9-14.4 with four).
+    // not hold the sums, the group's decoded weights and the constants, and the loop spilled.
     #[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
     macro_rules! kernel_of {
         ($dots:path, $blocks:ident) => {

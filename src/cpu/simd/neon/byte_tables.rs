@@ -16,11 +16,8 @@
 //! tables in the 32 registers). Rows with a scale of 253 or more decode the unscaled values and
 //! scale each group's sum instead.
 //!
-//! Not measured on an ARM CPU (the machines here are x86; CI runs this under qemu for its
-//! values). `llvm-mca -mcpu=apple-m1` of LLVM 14 gives 35 cycles per group for the compiled
-//! loop of four decoded rows (8.8 per row), against 12.3 for one row through a loop of the
-//! per-group kernel's operations; and 34 against 44 cycles per group for loops of both kernels'
-//! operations over eight prompt inputs.
+//! Not timed on an ARM CPU (CI runs this under qemu for its values): the case for it is the
+//! count of operations per group above.
 
 use std::arch::aarch64::*;
 use std::sync::OnceLock;

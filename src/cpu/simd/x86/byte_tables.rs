@@ -254,10 +254,8 @@ unsafe fn rows_dots<const N: usize>(rows: [Row; N], x: &[f32]) -> [f32; N] {
 /// Written so that the compiler keeps the sums and inputs in the sixteen registers: eight rows
 /// at a time (or four, each row's group through `add_folding_group`), it loaded every row's
 /// tables at the top of each group, kept half the sums on the stack and reloaded rows' pointers
-/// from it. `llvm-mca` puts that loop at 10.5 cycles per row and group on AMD Zen 2 (measured
-/// there: 8.6), 7.3 on Intel Skylake, 6.4 on Ice Lake and 6.5 on Zen 3, and this one at 9.2,
-/// 6.1, 5.7 and 6.1. On AMD Zen 5 (kernels capped to AVX2) both run at 1.4-1.5 ns per row and
-/// group, in L2.
+/// from it: work on top of the chains through the running sums, which bound this loop where
+/// decode is compute-bound.
 ///
 /// # Safety
 /// As `rows_dots`; every row folds.
@@ -422,9 +420,7 @@ pub unsafe fn mxfp4_tile(rows: &[(&[u8], &[u8])], xs: &[&[f32]], out: &mut [f32]
 
 /// Inputs up to which a tile of rows that all fold goes two rows at a time, each row's group
 /// decoded into registers once for all inputs, with no panel (`few_inputs_tile`): a panel's
-/// decoded groups are stored and read back, worth it only for more inputs. Medians of 10
-/// one-thread runs on AMD Zen 3 (2880 rows), ns per row, group and input, panels against this:
-/// 2 inputs 3.90/2.60, 3 inputs 2.51/2.15, 4 inputs 2.29/2.24.
+/// decoded groups are stored and read back, worth it only for more inputs.
 const FEW_INPUTS: usize = 3;
 
 /// Rows that all fold (at most `TILE_ROWS`) times up to `FEW_INPUTS` inputs, `out[r *
@@ -510,13 +506,13 @@ unsafe fn row_pair_times_inputs<const R: usize, const T: usize>(
 /// decode, and each weight vector of the panel read once per four inputs: where the weights are
 /// decoded in the loop that multiplies them (`tile_dots`), a group's four vectors and eight
 /// inputs' sums fill the registers, and each sum's chain of four multiply-adds per group leaves
-/// the FMA units waiting (AMD Zen 2: 4.2 cycles per row, group and input, against 2.6 here).
+/// the FMA units waiting.
 const PANEL_ROWS: usize = 3;
 const PANEL_GROUPS: usize = 16;
 const PANEL_INPUTS: usize = 4;
 /// Inputs whose sums stay in one stack array (3 KiB) while a panel's rows are decoded block by
-/// block: each row's groups are decoded once per this many inputs. At 16, decoding took 16% of a
-/// 32-input tile on AMD Zen 3 (perf), and the tile ran 10% slower (median of 8 runs, one thread).
+/// block: each row's groups are decoded once per this many inputs, so that decoding stays a small
+/// share of a large tile.
 const PANEL_CHUNK: usize = 32;
 
 /// Scaled weights of `PANEL_ROWS` rows, `PANEL_GROUPS` groups each, as `group_weights` gives them.
@@ -540,7 +536,8 @@ unsafe fn panel_tile(rows: &[Row], xs: &[&[f32]], out: &mut [f32]) {
     // Panels of two or three rows (16 rows: 3, 3, 3, 3, 2, 2): a pass over a one-row panel
     // keeps only four sums in flight, each multiply-add waiting on the one before.
     let mut panels: [_; TILE_ROWS.div_ceil(2)] = std::array::from_fn(|_| 0..0);
-    // Each chunk's sums, zeroed as far as the chunk goes (all of them took 4% of a 4-input tile).
+    // Each chunk's sums, zeroed as far as the chunk goes (zeroing all of them weighed on small
+    // tiles).
     let mut sums = [[_mm256_setzero_ps(); PANEL_ROWS]; PANEL_CHUNK];
     for panel_range in filled(&mut panels, evenly(rows.len(), PANEL_ROWS)) {
         let panel_rows = &rows[panel_range.clone()];

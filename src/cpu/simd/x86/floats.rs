@@ -5,10 +5,10 @@
 //! One sum per row and input lets a tile pass keep three rows times four inputs' sums in the
 //! sixteen registers: each input vector is loaded once for three rows, each row vector decoded
 //! once for four inputs. With four sums per row and input (the order before), a pass held one
-//! row times three inputs, loading a fresh input vector for every multiply-add: on AMD Zen 2,
-//! 4.4 against 2.2 cycles per row, 32 values and input in a C model of both loops. Decode takes
-//! four rows at a time so that four sums are in flight (one row's chain of multiply-adds alone
-//! would read about 10 GB/s per core there).
+//! row times three inputs, loading a fresh input vector for every multiply-add, so that the
+//! loads, not the multiply-adds, set its pace. Decode takes four rows at a time so that four
+//! sums are in flight (one row's chain of multiply-adds alone would run at their latency, below
+//! what the memory gives a core).
 
 use std::arch::x86_64::*;
 
@@ -24,8 +24,8 @@ const PASS_INPUTS: usize = 4;
 /// Inputs whose sums a tile keeps in one stack array (8 KiB for 16 rows).
 const TILE_INPUTS: usize = 16;
 /// 8-value steps of every row a tile works through before the next ones: 512 values, four
-/// inputs' slices (8 KiB) and the rows' (16 KiB for 16 bf16 rows) in L1. On AMD Zen 2, blocks of
-/// 256 values ran 14% slower (each pass loads and stores its sums), of 1024 slower still (L1).
+/// inputs' slices (8 KiB) and the rows' (16 KiB for 16 bf16 rows) in L1. Smaller blocks load
+/// and store each pass's sums more often; larger ones no longer fit L1.
 const TILE_STEPS: usize = 64;
 /// Rows decode takes at a time.
 const DECODE_ROWS: usize = 4;
@@ -227,7 +227,7 @@ pub unsafe fn floats_tile(format: FloatFormat, rows: &[&[u8]], xs: &[&[f32]], ou
     let n = float_tile_len(format, rows, xs);
     let stride = xs.len();
     // The passes' rows and inputs, worked out once (each range takes a division: per pass, they
-    // cost 5% of a 64-token tile).
+    // cost a noticeable share of a tile).
     let mut row_passes: [_; TILE_ROWS.div_ceil(PASS_ROWS)] = std::array::from_fn(|_| 0..0);
     let row_passes = filled(&mut row_passes, evenly(rows.len(), PASS_ROWS));
     for chunk in evenly(xs.len(), TILE_INPUTS) {

@@ -13,9 +13,9 @@
 //! (`InputOrder::GroupHalves`), and each input's products go into two running sums, one for the
 //! even inputs and one for the odd. Prefill's tiles take up to eight inputs per decoded weight
 //! vector (16 sums in registers), or, over interleaved runs, two rows and up to four inputs
-//! (each input vector loaded once for both rows: on the synthetic 20B's 64-token prompt the
-//! experts took 12% less time than eight inputs one row at a time); decode takes rows in pairs,
-//! which share each input load.
+//! (each input vector loaded once for both rows: one load per two multiply-adds, where eight
+//! inputs one row at a time take one per multiply-add); decode takes rows in pairs, which share
+//! each input load.
 //!
 //! Rows with a scale of 253 or more (where a scaled table entry would overflow or be NaN while
 //! the scaled sum might not) multiply each group's sum by its scale instead, in the same input
@@ -182,8 +182,8 @@ unsafe fn checkpoint_run_weights(row: Row, c: usize, tables: &[ScaledTable; 256]
 /// nibbles in their low bits, and one word permute of its table gives its 32 weights as bf16.
 /// Each word shifted up is a float (the group's even weights), each word masked in place another
 /// (its odd ones): the vectors `run_weights` gives for the same run in the checkpoint's layout.
-/// Per 128 weights: 4 word permutes against 9 float and byte permutes, which share the pipes of
-/// the multiply-adds (on AMD Zen 5: 12.1 against 13.4-14.9 cycles per pair of rows in cache).
+/// Per 128 weights: 4 word permutes against 9 float and byte permutes, which on some cores (AMD
+/// Zen 5) share the pipes of the multiply-adds.
 ///
 /// # Safety
 /// As `run_weights`.
@@ -222,8 +222,8 @@ unsafe fn interleaved_run_groups(row: Row, c: usize, tables: &[WordTable; 256]) 
 }
 
 /// The tables of run `c`'s four scale bytes, the run's bytes ahead prefetched. The four bytes
-/// come in one load, each picked out of the register (on AMD Zen 5, 14% faster than four byte
-/// loads).
+/// come in one load, each picked out of the register: one load on the way from the scale bytes
+/// to the tables instead of four.
 ///
 /// # Safety
 /// Run c's four scale bytes exist (`4 * c + 4 <= row.scales.len()`).
@@ -530,8 +530,9 @@ pub unsafe fn dot_mxfp4_rows<const INTERLEAVED: bool>(
         let packed = &blocks[16 * r * groups..16 * (r + 1) * groups];
         Row::folding_where::<INTERLEAVED>(packed, scales, all_fold || folds(scales))
     };
-    // Rows i and i + 1 of both runs per pass (two pairs: 18% more from memory than one on AMD
-    // Zen 5; three or four spill), then the last row of an odd count as one pair.
+    // Rows i and i + 1 of both runs per pass (two pairs: more independent work between one
+    // run's loads and the next than one pair; three or four spill), then the last row of an odd
+    // count as one pair.
     // Safety (each): the caller's guarantees.
     super::super::in_fours(
         outs,
@@ -581,9 +582,9 @@ unsafe fn pair_run(
 /// `N` interleaved folding rows times one input, each bit-identical to `row_dots`: the whole
 /// runs as `folded_runs` adds them (each run's four groups of every row decoded first, then each
 /// input vector loaded once and multiplied into every row), then the groups after them, then the
-/// sums reduced. Four rows keep their 16 group vectors and 8 sums in registers. On AMD Zen 5, in
-/// L2: 7.6-7.7 cycles per row and run, against 9.0-9.2 for two pairs decoded as floats one pair
-/// after the other with each row's last groups and sum done apart (18% of the time went there).
+/// sums reduced. Four rows keep their 16 group vectors and 8 sums in registers: two pairs
+/// decoded as floats one pair after the other, with each row's last groups and sum done apart
+/// (the sums spilled to the stack), were slower.
 ///
 /// # Safety
 /// As `folded_runs`, for every row; every row folds and is interleaved.
@@ -660,8 +661,8 @@ unsafe fn rows_dots<const P: usize, const INTERLEAVED: bool>(
     const { assert!(P <= 2, "more than two pairs spill") };
     // Every row folds, so every row is interleaved where the matrix is: one loop per layout,
     // every sum in a register (an array of sums indexed by a loop over pairs went through memory
-    // at every run: 14.2 cycles per row and run in L2 against 7.8-9.1 on AMD Zen 5; the
-    // interleaved loop's array is indexed by constants once its loops over rows unroll).
+    // at every run; the interleaved loop's array is indexed by constants once its loops over
+    // rows unroll).
     if INTERLEAVED {
         let [a, b] = pairs[0];
         let [c, d] = pairs[P - 1];
