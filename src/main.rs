@@ -23,7 +23,7 @@ use picchio::weights::{Checkpoint, tensor_format, tensor_role};
 struct Cli {
     #[command(subcommand)]
     command: Command,
-    /// Threads of the CPU tier (default: the physical cores).
+    /// Threads of the CPU tier, for any command (default: the physical cores).
     #[arg(long, global = true, value_name = "N")]
     threads: Option<usize>,
 }
@@ -40,11 +40,15 @@ enum Backend {
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 enum ShapeArg {
+    /// GPT-OSS-20B's published config and tensors (13.8 GB).
     #[value(name = "gpt-oss-20b")]
     GptOss20b,
+    /// GPT-OSS-120B's published config and tensors.
     #[value(name = "gpt-oss-120b")]
     GptOss120b,
+    /// A tiny model with the real config keys (fixtures/tiny-single's config).
     Tiny,
+    /// The tiny model with o200k_harmony's vocabulary (about 52 MB), for chat and serve.
     #[value(name = "tiny-harmony")]
     TinyHarmony,
 }
@@ -62,21 +66,22 @@ impl From<Backend> for BackendChoice {
 /// The model and how it is loaded: shared by every command that runs one.
 #[derive(clap::Args)]
 struct ModelArgs {
-    /// Checkpoint directory (config.json + safetensors, as Hugging Face ships it).
-    #[arg(long)]
+    /// Checkpoint directory: config.json + safetensors as Hugging Face ships them, or a
+    /// converted copy (picchio convert).
+    #[arg(long, value_name = "DIR")]
     model: PathBuf,
-    /// RAM for the CPU tier's expert cache: bytes (4G, 512M), N% of the model's expert bytes,
-    /// or auto (what the system has available, less dense weights and a reserve). 0 streams every
-    /// expert from disk.
+    /// RAM for the CPU tier's expert cache: bytes with an optional K/M/G/T suffix (powers of
+    /// 1024: 4G, 512M), N% of the model's expert bytes, or auto (available memory less the dense
+    /// weights and 2 GiB). 0 streams every expert from disk.
     #[arg(long, default_value = "auto", value_name = "BYTES|N%|auto")]
     ram_budget: picchio::experts::RamBudget,
     /// Read experts past the page cache (O_DIRECT; F_NOCACHE on macOS): a converted expert store
-    /// only (picchio convert).
+    /// only (picchio convert). Off unless given.
     #[arg(long)]
     direct_io: bool,
     /// While a layer runs, guess the next layer's experts with its router and start reading
     /// them into the RAM cache (never changes tokens).
-    #[arg(long, value_enum, default_value_t = OnOff::Off)]
+    #[arg(long, value_enum, default_value_t = OnOff::Off, value_name = "on|off")]
     prefetch: OnOff,
     /// What stands in for the next layer's MoE input: a (this layer's MoE input, earliest) or b
     /// (this layer's output through the next layer's norm, later, more accurate). The GPU tier
@@ -84,7 +89,7 @@ struct ModelArgs {
     #[arg(long, default_value = "b", value_name = "a|b")]
     prefetch_proxy: picchio::model::PrefetchProxy,
     /// How the CPU tier holds the dense weights: checkpoint (as stored, exact) or q8 (8 bits per
-    /// weight with a scale per 32: faster decode, not exact; CPU tier only).
+    /// weight with an f16 scale per 32 weights: faster decode, not exact; CPU tier only).
     #[arg(long, default_value = "checkpoint", value_name = "checkpoint|q8")]
     dense_format: picchio::cpu::q8::DenseFormat,
     /// How the CPU tier multiplies MXFP4 experts with their inputs: exact (f32) or q8 (inputs
@@ -139,30 +144,30 @@ impl ModelArgs {
 struct PromptArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Prompt token ids, comma-separated (e.g. 1,2,3).
+    /// Prompt token ids, comma-separated (e.g. 1,2,3); this or --prompt is required.
     #[arg(
         long,
+        value_name = "IDS",
         value_delimiter = ',',
         num_args = 1..,
         required_unless_present = "prompt",
         conflicts_with = "prompt"
     )]
     ids: Vec<u32>,
-    /// The prompt as text instead of ids, encoded with o200k_harmony; special-token names in it
-    /// (`<|start|>`, `<|message|>`, ...) become those tokens, so a Harmony prompt can be written
-    /// out.
+    /// The prompt as text instead of ids, encoded with o200k_harmony (special-token names such
+    /// as <|start|> become those tokens).
     #[arg(long, value_name = "TEXT")]
     prompt: Option<String>,
     /// Most tokens to generate.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_name = "N")]
     max_new_tokens: usize,
     /// Most positions (prompt + generated) the KV cache holds; default: the model's
     /// max_position_embeddings.
     #[arg(long, value_name = "N")]
     context: Option<usize>,
-    /// GPU memory for the GPU tier's expert cache: bytes, N% of the model's expert bytes, or
-    /// auto (every expert if the adapter takes them, else as many as it does). 0 keeps no expert
-    /// in VRAM: the GPU runs attention and the CPU tier every expert.
+    /// GPU memory for the GPU tier's expert cache: bytes (K/M/G/T suffix), N% of the model's
+    /// expert bytes, or auto (every expert if the adapter takes them, else as many as it does).
+    /// 0 keeps no expert in VRAM: the GPU runs attention and the CPU tier every expert.
     #[arg(long, default_value = "auto", value_name = "BYTES|N%|auto")]
     vram_budget: picchio::experts::VramBudget,
     /// What the GPU tier does with an expert its VRAM cache lacks: auto (upload in prompt
@@ -186,19 +191,26 @@ enum ReasoningArg {
 /// How tokens are chosen (greedy by default).
 #[derive(clap::Args)]
 struct SamplingArgs {
-    /// 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
+    /// Sampling temperature, 0 or more: 0 is greedy (argmax), else logits are divided by it.
+    #[arg(long, default_value_t = 0.0, value_name = "T")]
     temperature: f32,
-    #[arg(long, default_value_t = 1.0)]
+    /// Keep the smallest set of most likely tokens whose probability reaches P, in (0, 1];
+    /// 1 keeps all.
+    #[arg(long, default_value_t = 1.0, value_name = "P")]
     top_p: f32,
-    /// 0 keeps every token.
-    #[arg(long, default_value_t = 0)]
+    /// Keep the K most likely tokens; 0 keeps every token.
+    #[arg(long, default_value_t = 0, value_name = "K")]
     top_k: usize,
-    #[arg(long, default_value_t = 0.0)]
+    /// Drop tokens less likely than P times the most likely one, in [0, 1]; 0 drops none.
+    #[arg(long, default_value_t = 0.0, value_name = "P")]
     min_p: f32,
-    #[arg(long, default_value_t = 1.0)]
+    /// Divide the positive logits (multiply the negative ones) of tokens already in the
+    /// conversation by R, more than 0; 1 is off.
+    #[arg(long, default_value_t = 1.0, value_name = "R")]
     repetition_penalty: f32,
-    #[arg(long, default_value_t = 0)]
+    /// Seed of the random choice (each turn adds its number; the same seed and inputs choose the
+    /// same tokens).
+    #[arg(long, default_value_t = 0, value_name = "S")]
     seed: u64,
 }
 
@@ -256,27 +268,29 @@ impl PromptArgs {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Generate tokens greedily from a prompt given as token ids.
+    /// Generate tokens greedily from a prompt (token ids or text).
     Generate {
         #[command(flatten)]
         prompt: PromptArgs,
         /// Where the model runs.
         #[arg(long, value_enum, default_value_t = Backend::Auto)]
         backend: Backend,
-        /// Add run statistics to the JSON object (GPU submissions and readbacks per token).
+        /// Add run statistics to the JSON object (with --json): GPU submissions and readbacks per
+        /// token, expert cache counts, time per phase, per-layer placement, prefetch.
         #[arg(long)]
         stats: bool,
         /// Print one JSON object instead of the plain id list.
         #[arg(long)]
         json: bool,
-        /// Report the K largest logits of every step (with --json).
+        /// Report the K largest logits of every step (with --json; at most 64 on the GPU tier).
         #[arg(long, default_value_t = 0, value_name = "K")]
         top_logits: usize,
         /// Keep generating after an end-of-sequence token.
         #[arg(long)]
         ignore_eos: bool,
     },
-    /// Run the CPU and GPU tiers on the same input and compare tokens, logits and routing.
+    /// Run the CPU and GPU tiers on the same input (greedy, end-of-sequence ignored) and compare
+    /// tokens, logits and routing; exits non-zero on any disagreement.
     Ab {
         #[command(flatten)]
         prompt: PromptArgs,
@@ -287,15 +301,18 @@ enum Command {
     /// Write a random checkpoint in the real HF layout (the published config.json, MXFP4 experts,
     /// bf16 dense weights, sharded like the published files), for benchmarks.
     Synth {
+        /// Which model's config.json and tensor shapes to write.
         #[arg(long, value_enum)]
         shape: ShapeArg,
         /// Directory to write (created if needed).
-        #[arg(long)]
+        #[arg(long, value_name = "DIR")]
         out: PathBuf,
-        #[arg(long, default_value_t = 0)]
+        /// Seed of the random weights (the bytes depend only on it).
+        #[arg(long, default_value_t = 0, value_name = "S")]
         seed: u64,
-        /// Close a shard before it passes this many bytes (the published files use 4.8 GB).
-        #[arg(long, default_value_t = picchio::synth::DEFAULT_SHARD_BYTES)]
+        /// Close a shard before it passes this many bytes (a plain number; the published files
+        /// use 4.8 GB).
+        #[arg(long, default_value_t = picchio::synth::DEFAULT_SHARD_BYTES, value_name = "BYTES")]
         shard_bytes: u64,
     },
     /// Chat in the terminal: type a message, read the answer as it is generated.
@@ -307,14 +324,15 @@ enum Command {
         #[arg(long, value_name = "N")]
         context: Option<usize>,
         /// Most tokens per answer.
-        #[arg(long, default_value_t = 1024)]
+        #[arg(long, default_value_t = 1024, value_name = "N")]
         max_new_tokens: usize,
         /// Instructions for the model (the developer message).
         #[arg(long, value_name = "TEXT")]
         system: Option<String>,
+        /// How much the model reasons before answering (Harmony's "Reasoning:" line).
         #[arg(long, default_value = "medium", value_name = "low|medium|high")]
         reasoning_effort: ReasoningArg,
-        /// Show the model's reasoning (dimmed) before its answer.
+        /// Show the model's reasoning (dimmed on a terminal) before its answer; hidden otherwise.
         #[arg(long)]
         show_reasoning: bool,
         #[command(flatten)]
@@ -325,40 +343,46 @@ enum Command {
     Serve {
         #[command(flatten)]
         model: ModelArgs,
-        /// Speak the line protocol on stdin/stdout instead of HTTP (see the README).
+        /// Speak the line protocol on stdin/stdout instead of HTTP (see docs/cli.md).
         #[arg(long)]
         stdio: bool,
-        /// Address to listen on.
-        #[arg(long, default_value = "127.0.0.1")]
+        /// Address to listen on (HTTP).
+        #[arg(long, default_value = "127.0.0.1", value_name = "ADDRESS")]
         host: String,
-        /// Port to listen on (0: any free port; the address is printed on stderr).
-        #[arg(long, default_value_t = 8080)]
+        /// TCP port to listen on (HTTP; 0: any free port; the address is printed on stderr).
+        #[arg(long, default_value_t = 8080, value_name = "PORT")]
         port: u16,
         /// The model's name in the API (default: the model directory's name).
-        #[arg(long)]
+        #[arg(long, value_name = "NAME")]
         name: Option<String>,
         /// Most positions a session holds (default: 4096, at most the model's
         /// max_position_embeddings).
         #[arg(long, value_name = "N")]
         context: Option<usize>,
-        /// Seed of the sampling (each turn adds its number).
-        #[arg(long, default_value_t = 0)]
+        /// Seed of the sampling with --stdio (each turn adds its number); HTTP requests carry
+        /// their own "seed" (default 0).
+        #[arg(long, default_value_t = 0, value_name = "S")]
         seed: u64,
     },
     /// Encode text into o200k_harmony token ids (or, with --decode, ids into text).
     Tokenize {
         /// The text to encode; special-token names become their tokens unless --no-special.
-        #[arg(long, required_unless_present = "decode", conflicts_with = "decode")]
+        #[arg(
+            long,
+            value_name = "TEXT",
+            required_unless_present = "decode",
+            conflicts_with = "decode"
+        )]
         text: Option<String>,
         /// Encode special-token names as plain text.
         #[arg(long)]
         no_special: bool,
-        /// Ids to decode, comma-separated.
-        #[arg(long, value_delimiter = ',', num_args = 1..)]
+        /// Token ids to decode into text, comma-separated (e.g. 200006,1428,200008).
+        #[arg(long, value_delimiter = ',', num_args = 1.., value_name = "IDS")]
         decode: Vec<u32>,
     },
-    /// Top-1 agreement of a faster numeric mode (--dense-format q8) with the exact path,
-    /// teacher-forced over the exact path's greedy tokens (CPU tier).
+    /// Top-1 agreement of a faster numeric mode (--dense-format q8, --expert-activations q8) with
+    /// the exact path, teacher-forced over the exact path's greedy tokens (CPU tier).
     Agree {
         #[command(flatten)]
         prompt: PromptArgs,
@@ -366,42 +390,62 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Measure prefill and decode speed, hit rates and bytes moved for each VRAM and RAM budget.
+    /// Measure prefill and decode speed, hit rates and bytes moved for each VRAM budget, RAM
+    /// budget and prefetch setting.
     Bench {
-        #[arg(long)]
+        /// Checkpoint directory (as for generate).
+        #[arg(long, value_name = "DIR")]
         model: PathBuf,
+        /// Where every run runs.
         #[arg(long, value_enum, default_value_t = Backend::Auto)]
         backend: Backend,
-        /// Expert cache budgets to sweep, comma-separated (bytes, N% or auto).
-        #[arg(long, value_delimiter = ',', default_value = "auto")]
+        /// RAM expert cache budgets to sweep, comma-separated: bytes (K/M/G/T suffix), N% of the
+        /// expert bytes, or auto.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "auto",
+            value_name = "LIST"
+        )]
         ram_budgets: Vec<picchio::experts::RamBudget>,
-        /// GPU expert cache budgets to sweep, comma-separated (bytes, N% of the expert bytes, or
-        /// auto); each runs with every RAM budget. CPU runs ignore them.
-        #[arg(long, value_delimiter = ',', default_value = "auto")]
+        /// GPU expert cache budgets to sweep, comma-separated: bytes (K/M/G/T suffix), N% of the
+        /// expert bytes, or auto; each runs with every RAM budget. CPU runs ignore them.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "auto",
+            value_name = "LIST"
+        )]
         vram_budgets: Vec<picchio::experts::VramBudget>,
-        /// The GPU tier's miss policy for every run (auto, upload or cpu).
-        #[arg(long, default_value = "auto")]
+        /// The GPU tier's miss policy for every run.
+        #[arg(long, default_value = "auto", value_name = "auto|upload|cpu")]
         miss_policy: picchio::model::gpu_tier::MissPolicy,
-        /// Read a converted expert store with O_DIRECT (no page cache).
+        /// Read a converted expert store with O_DIRECT (no page cache). Off unless given.
         #[arg(long)]
         direct_io: bool,
         /// Prefetch settings to compare, comma-separated (on, off); each runs with every budget.
-        #[arg(long, value_enum, value_delimiter = ',', default_value = "off")]
+        #[arg(
+            long,
+            value_enum,
+            value_delimiter = ',',
+            default_value = "off",
+            value_name = "LIST"
+        )]
         prefetch: Vec<OnOff>,
-        /// The prefetch proxy for every run (a or b).
-        #[arg(long, default_value = "b")]
+        /// The prefetch proxy for every run.
+        #[arg(long, default_value = "b", value_name = "a|b")]
         prefetch_proxy: picchio::model::PrefetchProxy,
-        #[arg(long, default_value_t = 64)]
+        /// Tokens in each run's random prompt (the timed prefill).
+        #[arg(long, default_value_t = 64, value_name = "N")]
         prompt_tokens: usize,
-        #[arg(long, default_value_t = 32)]
+        /// Tokens each run decodes after the prompt (the timed decode).
+        #[arg(long, default_value_t = 32, value_name = "N")]
         gen_tokens: usize,
         /// Seed of the random prompt.
-        #[arg(long, default_value_t = 0)]
+        #[arg(long, default_value_t = 0, value_name = "S")]
         seed: u64,
-        /// Also measure this machine's read bandwidth and report each run's decode against it
-        /// (bytes per token, GB/s, roofline fraction), and the prefill speed of a 512-token
-        /// prompt. On the CPU tier, decode is also measured in turns with reads of the LM head
-        /// (the interleaved roofline fraction: both in the same moments).
+        /// Also measure the read bandwidth and each run's decode against it (roofline fraction),
+        /// time a 512-token prefill, and (CPU tier) decode in turns with reads of the LM head.
         #[arg(long)]
         roofline: bool,
         /// How the CPU tier holds the dense weights in every run: checkpoint (exact) or q8.
@@ -416,20 +460,21 @@ enum Command {
         /// Print one JSON object {"runs": [...]} instead of a table.
         #[arg(long)]
         json: bool,
-        /// Also write the runs as CSV here.
-        #[arg(long)]
+        /// Also write the runs as CSV to this file.
+        #[arg(long, value_name = "FILE")]
         csv: Option<PathBuf>,
-        /// Also write an SVG plot of decode tokens/s and hit rate against the budget here.
-        #[arg(long)]
+        /// Also write an SVG plot of decode tokens/s and hit rate against the budget to this file.
+        #[arg(long, value_name = "FILE")]
         plot: Option<PathBuf>,
     },
     /// Write a converted copy of a checkpoint: the dense tensors as model.safetensors and every
     /// expert as one 4 KiB-aligned record of experts.bin, indexed with hashes in experts.json.
     Convert {
-        #[arg(long)]
+        /// Checkpoint directory to convert.
+        #[arg(long, value_name = "DIR")]
         model: PathBuf,
         /// Directory to write (new or empty).
-        #[arg(long)]
+        #[arg(long, value_name = "DIR")]
         out: PathBuf,
         /// mxfp4: the checkpoint's MXFP4 bytes, bit for bit; int4: group-scaled INT4 (32 inputs
         /// per f16 scale), quantized from the exact weights (lossy).
@@ -438,10 +483,12 @@ enum Command {
     },
     /// Check a converted expert store's records against the hashes of its index.
     Verify {
-        #[arg(long)]
+        /// Converted directory to check (picchio convert's --out).
+        #[arg(long, value_name = "DIR")]
         model: PathBuf,
     },
-    /// List the GPU adapters wgpu finds (best first), with backend, type, driver, limits and features.
+    /// List the GPU adapters wgpu finds (best first), with backend, type, driver, limits and
+    /// features.
     Devices {
         /// Print one JSON object instead of text.
         #[arg(long)]
@@ -449,7 +496,8 @@ enum Command {
     },
     /// Print the checkpoint's tensors (name, dtype, shape, bytes, format) and byte totals.
     Inspect {
-        #[arg(long)]
+        /// Checkpoint directory (or a converted copy).
+        #[arg(long, value_name = "DIR")]
         model: PathBuf,
         /// Print one JSON object instead of a table.
         #[arg(long)]
