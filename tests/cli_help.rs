@@ -5,19 +5,24 @@
 use std::collections::BTreeSet;
 use std::process::Command;
 
-/// `picchio args... --help`'s stdout (the command must succeed).
-fn help(args: &[&str]) -> String {
+/// `picchio args...`'s stdout, run from the repository's root (the command must succeed).
+fn picchio(args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_picchio"))
         .args(args)
-        .arg("--help")
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .unwrap();
     assert!(
         out.status.success(),
-        "picchio {args:?} --help failed: {}",
+        "picchio {args:?} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8(out.stdout).unwrap()
+}
+
+/// `picchio args... --help`'s stdout.
+fn help(args: &[&str]) -> String {
+    picchio(&[args, &["--help"]].concat())
 }
 
 fn indent(line: &str) -> usize {
@@ -378,15 +383,6 @@ fn the_readme_quick_start_prints_what_the_readme_says() {
         .nth(1)
         .and_then(|rest| rest.split('`').next())
         .expect("the Quick start says which ids the command prints");
-    let out = Command::new(env!("CARGO_BIN_EXE_picchio"))
-        .args(command.split_whitespace())
-        .current_dir(root)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "picchio {command} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert_eq!(String::from_utf8(out.stdout).unwrap().trim(), promised);
+    let args: Vec<&str> = command.split_whitespace().collect();
+    assert_eq!(picchio(&args).trim(), promised);
 }
