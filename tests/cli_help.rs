@@ -2,27 +2,18 @@
 //! has a description there, is described in its command's section of docs/cli.md with its default,
 //! and every flag docs/cli.md names exists.
 
-use std::collections::BTreeSet;
-use std::process::Command;
+mod common;
 
-/// `picchio args...`'s stdout, run from the repository's root (the command must succeed).
-fn picchio(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_picchio"))
-        .args(args)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "picchio {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
+use std::collections::BTreeSet;
 
 /// `picchio args... --help`'s stdout.
 fn help(args: &[&str]) -> String {
-    picchio(&[args, &["--help"]].concat())
+    common::picchio_stdout(&[args, &["--help"]].concat())
+}
+
+/// Whether `c` can be part of a long flag's name.
+fn is_flag_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || c == '-'
 }
 
 fn indent(line: &str) -> usize {
@@ -63,10 +54,7 @@ fn option_line(line: &str) -> Option<(String, String)> {
         _ => text,
     };
     let long = text.strip_prefix("--")?;
-    let name: String = long
-        .chars()
-        .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
-        .collect();
+    let name: String = long.chars().take_while(|c| is_flag_char(*c)).collect();
     if name.is_empty() {
         return None;
     }
@@ -158,11 +146,10 @@ fn sections(doc: &str) -> Vec<(String, String)> {
 /// byte offsets just after each mention.
 fn mentions(text: &str, flag: &str) -> Vec<usize> {
     let needle = format!("--{flag}");
-    let is_name = |c: char| c.is_ascii_alphanumeric() || c == '-';
     text.match_indices(&needle)
-        .filter(|(at, _)| !text[..*at].ends_with(is_name))
+        .filter(|(at, _)| !text[..*at].ends_with(is_flag_char))
         .map(|(at, _)| at + needle.len())
-        .filter(|end| !text[*end..].starts_with(is_name))
+        .filter(|end| !text[*end..].starts_with(is_flag_char))
         .collect()
 }
 
@@ -170,12 +157,12 @@ fn mentions(text: &str, flag: &str) -> Vec<usize> {
 fn flags_named(text: &str) -> BTreeSet<String> {
     let mut named = BTreeSet::new();
     for (at, _) in text.match_indices("--") {
-        if text[..at].ends_with(|c: char| c.is_ascii_alphanumeric() || c == '-') {
+        if text[..at].ends_with(is_flag_char) {
             continue;
         }
         let name: String = text[at + 2..]
             .chars()
-            .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+            .take_while(|c| is_flag_char(*c))
             .collect();
         if name.starts_with(|c: char| c.is_ascii_lowercase()) {
             named.insert(name);
@@ -366,12 +353,12 @@ fn the_help_parser_reads_both_of_clap_layouts() {
 /// command as written there must print exactly that, on whichever tier this machine runs it.
 #[test]
 fn the_readme_quick_start_prints_what_the_readme_says() {
-    let root = env!("CARGO_MANIFEST_DIR");
-    let readme = std::fs::read_to_string(std::path::Path::new(root).join("README.md")).unwrap();
-    let section = readme
-        .split("\n## Quick start")
-        .nth(1)
-        .and_then(|rest| rest.split("\n## ").next())
+    let readme_path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md");
+    let readme = std::fs::read_to_string(readme_path).unwrap();
+    let sections = sections(&readme);
+    let (_, section) = sections
+        .iter()
+        .find(|(heading, _)| heading.trim() == "## Quick start")
         .expect("README.md has a Quick start section");
     let command = section
         .lines()
@@ -384,5 +371,5 @@ fn the_readme_quick_start_prints_what_the_readme_says() {
         .and_then(|rest| rest.split('`').next())
         .expect("the Quick start says which ids the command prints");
     let args: Vec<&str> = command.split_whitespace().collect();
-    assert_eq!(picchio(&args).trim(), promised);
+    assert_eq!(common::picchio_stdout(&args).trim(), promised);
 }

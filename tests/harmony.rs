@@ -49,18 +49,7 @@ fn tokenize_command_encodes_and_decodes() {
     let fixture = fixture();
     let c = &fixture["conversations"][0];
     let text = c["text"].as_str().unwrap();
-    let run = |args: &[&str]| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_picchio"))
-            .args(args)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    };
+    let run = common::picchio_stdout;
     let ids: Vec<u32> = run(&["tokenize", "--text", text])
         .split_whitespace()
         .map(|w| w.parse().unwrap())

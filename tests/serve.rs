@@ -1,6 +1,8 @@
 //! `picchio serve`: real HTTP requests over loopback against a tiny model with the
 //! o200k_harmony vocabulary (`picchio synth --shape tiny-harmony`, made here, not committed).
 
+mod common;
+
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
@@ -28,21 +30,13 @@ fn picchio() -> Command {
 fn tiny_harmony() -> (tempfile::TempDir, std::path::PathBuf) {
     let model = tempfile::tempdir().unwrap();
     let dir = model.path().join("tiny-harmony");
-    let out = picchio()
-        .args([
-            "synth",
-            "--shape",
-            "tiny-harmony",
-            "--out",
-            dir.to_str().unwrap(),
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::picchio_stdout(&[
+        "synth",
+        "--shape",
+        "tiny-harmony",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
     (model, dir)
 }
 

@@ -8,6 +8,22 @@ use std::path::{Path, PathBuf};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use serde::Deserialize;
 
+/// `picchio args...`'s stdout, run from the repository's root; the command must succeed (its
+/// stderr is the failure message).
+pub fn picchio_stdout(args: &[&str]) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_picchio"))
+        .args(args)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "picchio {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
 pub fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
 }
