@@ -2,6 +2,7 @@
 //!
 //! Layers of the crate, from the files up:
 //! - [`config`]: `config.json` mirrored with serde, every dimension read from it.
+//! - [`arch`]: model families as data: what each decoder layer computes.
 //! - [`weights`]: safetensors checkpoints (single or sharded) mapped with memmap2, L0 validation.
 //! - [`cpu`]: the CPU tier's kernels, the reference for every other tier.
 //! - [`gpu`]: the GPU tier's device, pipelines and kernels (wgpu + WGSL).
@@ -10,6 +11,7 @@
 //! - [`flat_store`]: converted expert stores (`picchio convert`): aligned records, MXFP4 or INT4.
 //! - [`synth`]: random checkpoints in the real layout, for benchmarks.
 
+pub mod arch;
 pub mod bench;
 pub mod chat;
 pub mod config;

@@ -14,6 +14,8 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
+mod plan;
+
 use super::Model;
 use super::generate::{Step, validate_tokens};
 use crate::config::Config;
@@ -22,9 +24,7 @@ use crate::error::{Error, Result};
 use crate::experts::{ExpertKey, VramBudget};
 use crate::gpu::GpuContext;
 use crate::gpu::kernels::{
-    AttentionShape, Dispatch, GpuExperts, GpuMatrix, MAX_GPU_TOP_LOGITS, prepare_add,
-    prepare_attention, prepare_combine, prepare_kv_store, prepare_rms_norm, prepare_rope,
-    prepare_route, prepare_swiglu, prepare_top_k,
+    Dispatch, GpuExperts, GpuMatrix, MAX_GPU_TOP_LOGITS, prepare_rms_norm, prepare_top_k,
 };
 
 /// What the GPU tier does with an expert its VRAM cache does not hold.
@@ -782,235 +782,33 @@ impl<'m> GpuModel<'m> {
         &self.placement
     }
 
-    fn shape(&self, l: usize) -> AttentionShape {
-        AttentionShape {
-            num_heads: self.config.num_heads,
-            num_kv_heads: self.config.num_kv_heads,
-            head_dim: self.config.head_dim,
-            capacity: self.kv[l].capacity,
-            window: self.config.window_of(l),
-        }
-    }
-
     /// Every kernel of a block of `n` tokens, in order.
     fn build_plan(&self, n: usize, head: bool) -> Result<Vec<PlanStep>> {
         let cfg = &self.config;
         let ctx = &self.ctx;
         let a = &self.act;
-        let (h, i, k) = (
-            cfg.hidden_size,
-            cfg.intermediate_size,
-            cfg.experts_per_token,
-        );
+        let (h, k) = (cfg.hidden_size, cfg.experts_per_token);
         let mut steps: Vec<PlanStep> = Vec::new();
-
         add(
             &mut steps,
             self.embeddings
                 .prepare_embed(ctx, &a.tokens, n, &a.hidden)?,
         );
-        for (l, w) in self.layers.iter().enumerate() {
-            let shape = self.shape(l);
-            let kv = &self.kv[l];
-            add(
-                &mut steps,
-                vec![prepare_rms_norm(
-                    ctx,
-                    &a.hidden,
-                    &w.input_norm,
-                    n,
-                    h,
-                    cfg.rms_norm_eps,
-                    &a.normed,
-                )?],
-            );
-            add(
-                &mut steps,
-                w.q.prepare(ctx, &a.normed, n, w.q_bias.as_ref(), &a.q, &a.dummy)?,
-            );
-            add(
-                &mut steps,
-                w.k.prepare(ctx, &a.normed, n, w.k_bias.as_ref(), &a.k, &a.dummy)?,
-            );
-            add(
-                &mut steps,
-                w.v.prepare(ctx, &a.normed, n, w.v_bias.as_ref(), &a.v, &a.dummy)?,
-            );
-            add(
-                &mut steps,
-                vec![
-                    prepare_rope(ctx, &a.q, (n, cfg.num_heads, cfg.head_dim), &a.cos, &a.sin)?,
-                    prepare_rope(
-                        ctx,
-                        &a.k,
-                        (n, cfg.num_kv_heads, cfg.head_dim),
-                        &a.cos,
-                        &a.sin,
-                    )?,
-                    prepare_kv_store(ctx, shape, n, &a.step, &a.k, &a.v, &kv.keys, &kv.values)?,
-                    prepare_attention(
-                        ctx,
-                        shape,
-                        n,
-                        &a.step,
-                        &a.q,
-                        &kv.keys,
-                        &kv.values,
-                        &w.sinks,
-                        &a.attention,
-                    )?,
-                ],
-            );
-            add(
-                &mut steps,
-                w.o.prepare(
-                    ctx,
-                    &a.attention,
-                    n,
-                    w.o_bias.as_ref(),
-                    &a.projected,
-                    &a.dummy,
-                )?,
-            );
-            add(
-                &mut steps,
-                vec![
-                    prepare_add(ctx, &a.projected, &a.hidden, n * h)?,
-                    prepare_rms_norm(
-                        ctx,
-                        &a.hidden,
-                        &w.post_attention_norm,
-                        n,
-                        h,
-                        cfg.rms_norm_eps,
-                        &a.normed,
-                    )?,
-                ],
-            );
-            add(
-                &mut steps,
-                w.router.prepare(
-                    ctx,
-                    &a.normed,
-                    n,
-                    Some(&w.router_bias),
-                    &a.router_logits,
-                    &a.dummy,
-                )?,
-            );
-            add(
-                &mut steps,
-                vec![prepare_route(
-                    ctx,
-                    &a.router_logits,
-                    (n, cfg.num_experts, k),
-                    &a.expert_ids,
-                    &a.expert_weights,
-                )?],
-            );
-            if let Some(trace) = &a.routing_trace {
-                let bytes = (n * k * 4) as u64;
-                steps.push(PlanStep::Copy {
-                    from: a.expert_ids.clone(),
-                    from_offset: 0,
-                    to: trace.clone(),
-                    to_offset: l as u64 * bytes,
-                    bytes,
-                });
-            }
-            let pairs = n * k;
-            // Resident experts are picked by the routing ids on the device; cached ones by the
-            // slot ids the host writes after reading the routing back.
-            let (gate_up, gate_up_bias, down, down_bias, selector) = match (&w.experts, &self.pool)
-            {
-                (Some(r), _) => (
-                    &r.gate_up,
-                    &r.gate_up_bias,
-                    &r.down,
-                    &r.down_bias,
-                    &a.expert_ids,
-                ),
-                (None, Some(pool)) => {
-                    let ids_bytes = (n * k * 4) as u64;
-                    let ids_capacity = (self.options.max_block * k * 4) as u64;
-                    steps.push(PlanStep::Copy {
-                        from: a.expert_ids.clone(),
-                        from_offset: 0,
-                        to: a.routing_staging.clone(),
-                        to_offset: 0,
-                        bytes: ids_bytes,
-                    });
-                    steps.push(PlanStep::Copy {
-                        from: a.normed.clone(),
-                        from_offset: 0,
-                        to: a.routing_staging.clone(),
-                        to_offset: ids_capacity,
-                        bytes: (n * h * 4) as u64,
-                    });
-                    steps.push(PlanStep::PlaceExperts { layer: l });
-                    (
-                        &pool.gate_up,
-                        &pool.gate_up_bias,
-                        &pool.down,
-                        &pool.down_bias,
-                        &a.slot_ids,
-                    )
-                }
-                (None, None) => {
-                    return Err(Error::Gpu(format!("layer {l}: no experts in VRAM")));
-                }
-            };
-            let cached = w.experts.is_none();
-            add_experts(
-                &mut steps,
-                gate_up,
-                cached,
-                gate_up.prepare(
-                    ctx,
-                    &a.normed,
-                    k,
-                    selector,
-                    pairs,
-                    Some(gate_up_bias),
-                    &a.gate_up,
-                    &a.dummy,
-                )?,
-            );
-            add(
-                &mut steps,
-                vec![prepare_swiglu(
-                    ctx,
-                    &a.gate_up,
-                    (pairs, i),
-                    (cfg.swiglu_alpha, cfg.swiglu_limit),
-                    &a.activated,
-                )?],
-            );
-            add_experts(
-                &mut steps,
-                down,
-                cached,
-                down.prepare(
-                    ctx,
-                    &a.activated,
-                    1,
-                    selector,
-                    pairs,
-                    Some(down_bias),
-                    &a.down,
-                    &a.dummy,
-                )?,
-            );
-            add(
-                &mut steps,
-                vec![prepare_combine(
-                    ctx,
-                    (&a.expert_ids, &a.expert_weights, &a.down),
-                    (n, k, h),
-                    &a.hidden,
-                )?],
-            );
+        let mut recorder = plan::PlanRecorder::new(self, n, steps);
+        let mut hidden = plan::GpuAct {
+            buffer: a.hidden.clone(),
+            width: h,
+        };
+        for (l, spec) in self
+            .model
+            .layer_specs
+            .iter()
+            .enumerate()
+            .take(self.layers.len())
+        {
+            super::block::decoder_layer(&mut recorder, l, spec, &mut hidden)?;
         }
+        let mut steps = recorder.steps;
         if head {
             steps.push(PlanStep::Copy {
                 from: a.hidden.clone(),

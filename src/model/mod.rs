@@ -2,6 +2,8 @@
 
 pub mod ab;
 pub mod agreement;
+pub mod block;
+pub mod cpu_tier;
 pub mod generate;
 pub mod gpu_tier;
 pub mod kv_cache;
@@ -9,13 +11,11 @@ pub mod sampler;
 pub mod session;
 
 use std::path::Path;
-use std::sync::Mutex;
 
 use rayon::prelude::*;
 
 use crate::config::Config;
-use crate::cpu::attention::{HeadLayout, attend_group, first_visible_key};
-use crate::cpu::matmul::{add_into, dense_matmul, expert_matmul_as};
+use crate::cpu::matmul::{dense_matmul, expert_matmul_as};
 use crate::cpu::moe::{Routing, clamped_swiglu, route};
 use crate::cpu::norm::rms_norm;
 use crate::cpu::rope::RopeTable;
@@ -23,10 +23,6 @@ use crate::error::Result;
 use crate::experts::{ExpertData, ExpertStore, RamBudget};
 use crate::weights::{Checkpoint, LayerWeights, ModelWeights};
 pub use kv_cache::KvCache;
-
-/// An expert's output for a block: the positions that chose it with their routing weights for
-/// it, and one output row for each.
-type ExpertOutput = (Vec<(usize, f32)>, Vec<f32>);
 
 /// Values of one layer at every position of a block, for comparison with a reference.
 #[derive(Debug, Clone)]
@@ -47,6 +43,8 @@ pub struct Model {
     pub weights: ModelWeights,
     pub experts: ExpertStore,
     rope: RopeTable,
+    /// What each decoder layer computes (the model family's description).
+    pub layer_specs: Vec<crate::arch::LayerSpec>,
     /// Where the CPU tier's time went, for `--stats`.
     pub timings: CpuTimings,
     pub prefetch: PrefetchOptions,
@@ -309,12 +307,14 @@ impl Model {
             },
         )?;
         let rope = RopeTable::new(&config);
+        let layer_specs = crate::arch::Family::of(&config).layers(&config);
         Ok(Model {
             config,
             checkpoint,
             weights,
             experts,
             rope,
+            layer_specs,
             timings: CpuTimings::default(),
             prefetch: options.prefetch,
             q8,
@@ -422,54 +422,6 @@ impl Model {
         }
     }
 
-    /// Attention projection `which` (0 = q, 1 = k, 2 = v, 3 = o) of layer `l` over `x`: q8 when
-    /// the model holds it, else the checkpoint's weights.
-    fn project(&self, l: usize, which: usize, x: &[f32], bias: Option<&[f32]>, out: &mut [f32]) {
-        match &self.q8 {
-            Some(q8) => crate::cpu::q8::q8_matmul(&q8.layers[l][which], x, bias, out),
-            None => {
-                let layer = &self.weights.layers[l];
-                let m = [&layer.q, &layer.k, &layer.v, &layer.o][which];
-                dense_matmul(m, x, bias, out)
-            }
-        }
-    }
-
-    /// The q, k and v projections of layer `l` over `x` (`[n, hidden]`), biases added: one call
-    /// over the three stacked where the checkpoint's weights lie back to back (as copied into
-    /// memory), which reads them at the bandwidth of one large matrix instead of two small ones
-    /// after a large one. Each row's dot product is the same either way.
-    fn project_qkv(&self, l: usize, layer: &LayerWeights, x: &[f32], outs: [&mut [f32]; 3]) {
-        let biases = [&layer.q_bias, &layer.k_bias, &layer.v_bias];
-        let stacked = self.q8.is_none().then(|| layer.qkv()).flatten();
-        let Some(qkv) = stacked else {
-            for (which, (out, bias)) in outs.into_iter().zip(biases).enumerate() {
-                self.project(l, which, x, bias.as_deref(), out);
-            }
-            return;
-        };
-        let n = x.len() / qkv.cols;
-        let mut all = vec![0f32; n * qkv.rows];
-        dense_matmul(&qkv, x, None, &mut all);
-        let mut first = 0;
-        for (out, bias) in outs.into_iter().zip(biases) {
-            let rows = out.len() / n;
-            for (t, out) in out.chunks_exact_mut(rows).enumerate() {
-                let part = &all[t * qkv.rows + first..t * qkv.rows + first + rows];
-                match bias {
-                    // As `dense_matmul` adds a bias: to each finished dot product.
-                    Some(b) => {
-                        for ((o, p), b) in out.iter_mut().zip(part).zip(b) {
-                            *o = p + b;
-                        }
-                    }
-                    None => out.copy_from_slice(part),
-                }
-            }
-            first += rows;
-        }
-    }
-
     /// Embedding rows of `tokens` (already validated), `[n, hidden]`.
     pub fn embed(&self, tokens: &[u32]) -> Vec<f32> {
         if let Some(q8) = &self.q8 {
@@ -501,66 +453,14 @@ impl Model {
     pub fn run_layers(
         &self,
         cache: &mut KvCache,
-        hidden: &mut [f32],
+        hidden: &mut Vec<f32>,
         layers: std::ops::Range<usize>,
-        mut trace: Option<&mut Vec<LayerTrace>>,
+        trace: Option<&mut Vec<LayerTrace>>,
     ) -> Result<()> {
-        let cfg = &self.config;
-        let start = cache.len();
-        let mut normed = vec![0f32; hidden.len()];
-        let last_layer = layers.end.min(cfg.num_layers);
-        // Each proxy's guess at the next layer's experts, per token.
-        let mut predicted: [Option<Vec<Vec<usize>>>; 2] = [None, None];
+        let end = layers.end.min(self.config.num_layers);
+        let mut tier = cpu_tier::CpuTier::new(self, cache, end, trace);
         for l in layers {
-            let layer = &self.weights.layers[l];
-            rms_norm(hidden, &layer.input_norm, cfg.rms_norm_eps, &mut normed);
-            let started = std::time::Instant::now();
-            let attention = self.attention(l, layer, cache, start, &normed);
-            CpuTimings::add(&self.timings.attention_us, started);
-            add_residual(hidden, &attention);
-            let after_attention = trace.is_some().then(|| hidden.to_vec());
-
-            rms_norm(
-                hidden,
-                &layer.post_attention_norm,
-                cfg.rms_norm_eps,
-                &mut normed,
-            );
-            let started = std::time::Instant::now();
-            let guesses = std::mem::take(&mut predicted);
-            let next = (l + 1 < last_layer).then_some(l + 1);
-            let mut guess_a = None;
-            let (moe, routings) = self.moe(l, layer, &normed, |routings| {
-                for (which, guess) in PrefetchProxy::ALL.into_iter().zip(&guesses) {
-                    if let Some(guess) = guess {
-                        self.score_prediction(which, guess, routings);
-                    }
-                }
-                // Proxy A: this layer's MoE input through the next layer's router.
-                if let Some(next) = next.filter(|_| self.guesses_with(PrefetchProxy::A)) {
-                    let prefetch = self.prefetches_with(PrefetchProxy::A);
-                    guess_a = Some(self.predict_experts(next, &normed, prefetch)?);
-                }
-                Ok(())
-            })?;
-            CpuTimings::add(&self.timings.experts_us, started);
-            add_residual(hidden, &moe);
-            predicted[0] = guess_a;
-            // Proxy B: the residual after this layer's MoE, normalized as the next layer will.
-            if let Some(next) = next.filter(|_| self.guesses_with(PrefetchProxy::B)) {
-                let mut proxy = vec![0f32; hidden.len()];
-                let norm = &self.weights.layers[next].post_attention_norm;
-                rms_norm(hidden, norm, cfg.rms_norm_eps, &mut proxy);
-                let prefetch = self.prefetches_with(PrefetchProxy::B);
-                predicted[1] = Some(self.predict_experts(next, &proxy, prefetch)?);
-            }
-            if let (Some(trace), Some(after_attention)) = (trace.as_deref_mut(), after_attention) {
-                trace.push(LayerTrace {
-                    after_attention,
-                    routings,
-                    after_moe: hidden.to_vec(),
-                });
-            }
+            block::decoder_layer(&mut tier, l, &self.layer_specs[l], hidden)?;
         }
         Ok(())
     }
@@ -585,161 +485,6 @@ impl Model {
         }
         CpuTimings::add(&self.timings.head_us, started);
         logits
-    }
-
-    /// Self-attention of a block of `n` positions starting at `start`; stores their keys/values.
-    fn attention(
-        &self,
-        l: usize,
-        layer: &LayerWeights,
-        cache: &mut KvCache,
-        start: usize,
-        x: &[f32],
-    ) -> Vec<f32> {
-        let cfg = &self.config;
-        let n = x.len() / cfg.hidden_size;
-        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
-        let mut q = vec![0f32; n * qd];
-        let mut k = vec![0f32; n * kvd];
-        let mut v = vec![0f32; n * kvd];
-        self.project_qkv(l, layer, x, [&mut q, &mut k, &mut v]);
-        for t in 0..n {
-            let (cos, sin) = self.rope.cos_sin(start + t);
-            self.rope.apply(&mut q[t * qd..(t + 1) * qd], &cos, &sin);
-            self.rope.apply(&mut k[t * kvd..(t + 1) * kvd], &cos, &sin);
-        }
-
-        let layout = HeadLayout {
-            num_heads: cfg.num_heads,
-            num_kv_heads: cfg.num_kv_heads,
-            head_dim: cfg.head_dim,
-        };
-        let scaling = (cfg.head_dim as f64).powf(-0.5) as f32;
-        let window = cfg.window_of(l);
-        let mut out = vec![0f32; n * qd];
-        {
-            let cache = &*cache;
-            let (k, v, d) = (&k, &v, cfg.head_dim);
-            // Kv head g's key and value at position j: from this call for the block's own
-            // positions, from the cache for older ones.
-            let kv = |j: usize, g: usize| -> (&[f32], &[f32]) {
-                if j >= start {
-                    let at = (j - start) * kvd + g * d;
-                    (&k[at..at + d], &v[at..at + d])
-                } else {
-                    cache.get(l, j, g)
-                }
-            };
-            // One task per (position, kv head): decode has one position but several kv heads,
-            // each read once for the query heads that share it.
-            let group_width = layout.heads_per_kv_head() * cfg.head_dim;
-            out.par_chunks_mut(group_width)
-                .enumerate()
-                .for_each(|(i, out)| {
-                    let (t, g) = (i / cfg.num_kv_heads, i % cfg.num_kv_heads);
-                    let position = start + t;
-                    let keys = first_visible_key(position, window)..=position;
-                    attend_group(
-                        layout,
-                        g,
-                        &q[t * qd..(t + 1) * qd],
-                        keys,
-                        &|j| kv(j, g),
-                        &layer.sinks,
-                        scaling,
-                        out,
-                    );
-                });
-        }
-        cache.store(l, &k, &v);
-
-        let mut projected = vec![0f32; n * cfg.hidden_size];
-        self.project(l, 3, &out, layer.o_bias.as_deref(), &mut projected);
-        projected
-    }
-
-    /// The mixture of experts of a block: route every position, then run each chosen expert once
-    /// over all positions that chose it. Each position sums its experts in ascending id order,
-    /// as transformers does, so the result does not depend on the block size.
-    fn moe(
-        &self,
-        l: usize,
-        layer: &LayerWeights,
-        x: &[f32],
-        after_requests: impl FnOnce(&[Routing]) -> Result<()>,
-    ) -> Result<(Vec<f32>, Vec<Routing>)> {
-        let cfg = &self.config;
-        let h = cfg.hidden_size;
-        let n = x.len() / h;
-        let routings = self.route_tokens(l, x);
-
-        // The union of the block's choices, each expert fetched once (RAM or disk).
-        let chosen: Vec<usize> = (0..cfg.num_experts)
-            .filter(|e| routings.iter().any(|r| r.experts.contains(e)))
-            .collect();
-        // All reads start now; each expert is computed as soon as its bytes are in, while the
-        // IO threads read the next ones.
-        let requests = self.experts.request(l, &chosen)?;
-        // Behind this layer's reads in the IO queue: what the next layer will want.
-        after_requests(&routings)?;
-        // Experts run side by side (each also splits its rows over idle threads), so that one
-        // expert's serial steps (input gathering, SwiGLU, reordering its outputs) overlap another's
-        // matrix products. Outputs are added in ascending expert order as soon as every lower
-        // expert's is in, so few wait in memory.
-        let finished: Vec<Mutex<Option<ExpertOutput>>> =
-            chosen.iter().map(|_| Mutex::new(None)).collect();
-        // The next expert to add, and the sum so far.
-        let sum = Mutex::new((0usize, vec![0f32; n * h]));
-        let finish = |i: usize, output: ExpertOutput| {
-            *finished[i].lock().unwrap() = Some(output);
-            let mut sum = sum.lock().unwrap();
-            let (next, out) = &mut *sum;
-            while *next < chosen.len() {
-                let i = *next;
-                let Some((users, down)) = finished[i].lock().unwrap().take() else {
-                    break; // Its own task adds it (and what follows) when it finishes.
-                };
-                add_weighted_rows(&users, &down, h, out);
-                *next += 1;
-            }
-        };
-        let (finish, routings_ref) = (&finish, &routings);
-        // With one thread, each expert is computed in turn while the IO threads read ahead.
-        let one_thread = rayon::current_num_threads() == 1;
-        rayon::scope(|scope| -> Result<()> {
-            for (i, (&e, request)) in chosen.iter().zip(requests).enumerate() {
-                let expert = self.experts.wait(request)?;
-                let task = move || {
-                    let users: Vec<(usize, f32)> = routings_ref
-                        .iter()
-                        .enumerate()
-                        .filter_map(|(t, r)| {
-                            let k = r.experts.iter().position(|&x| x == e)?;
-                            Some((t, r.weights[k]))
-                        })
-                        .collect();
-                    let mut xs = Vec::with_capacity(users.len() * h);
-                    for &(t, _) in &users {
-                        xs.extend_from_slice(&x[t * h..(t + 1) * h]);
-                    }
-                    let down = self.run_expert(layer, e, &expert, &xs);
-                    finish(i, (users, down));
-                };
-                if one_thread {
-                    task();
-                } else {
-                    scope.spawn(move |_| task());
-                }
-            }
-            Ok(())
-        })?;
-        let (added, out) = sum.into_inner().unwrap();
-        assert_eq!(
-            added,
-            chosen.len(),
-            "every chosen expert's output was added"
-        );
-        Ok((out, routings))
     }
 
     /// Router `l`'s choice for each row of `x` (`[n, hidden]`).
@@ -842,24 +587,5 @@ impl Model {
         let down_bias = &layer.down_bias[e * h..(e + 1) * h];
         product(&expert.down, &activated, down_bias, &mut down);
         down
-    }
-}
-
-/// `hidden += delta`, in parallel over blocks of 16 Ki values (a 512-token block's residual is
-/// 1.5 M values; a decoded token's one block).
-fn add_residual(hidden: &mut [f32], delta: &[f32]) {
-    hidden
-        .par_chunks_mut(1 << 14)
-        .zip(delta.par_chunks(1 << 14))
-        .for_each(|(h, d)| add_into(h, d));
-}
-
-/// Adds each of an expert's output rows (`down`, `h` values per user) times its user's routing
-/// weight into the user's row of `out` (`[n, h]`).
-fn add_weighted_rows(users: &[(usize, f32)], down: &[f32], h: usize, out: &mut [f32]) {
-    for (&(t, w), d) in users.iter().zip(down.chunks_exact(h)) {
-        for (o, d) in out[t * h..(t + 1) * h].iter_mut().zip(d) {
-            *o += d * w;
-        }
     }
 }

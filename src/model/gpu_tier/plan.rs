@@ -1,0 +1,284 @@
+//! The GPU tier's side of the decoder layer: each op of `block` recorded as plan steps (kernel
+//! dispatches, copies, and the host sync that places a layer's experts when VRAM caches them).
+//! Every output lands in the activation buffer of its kind, sized for the largest block.
+
+use super::{GpuModel, PlanStep, add, add_experts};
+use crate::arch::{Activation, AttentionSpec, ExpertSpec, Gating, RouterSpec};
+use crate::error::{Error, Result};
+use crate::gpu::kernels::{
+    AttentionShape, prepare_add, prepare_attention, prepare_combine, prepare_kv_store,
+    prepare_rms_norm, prepare_rope, prepare_route, prepare_swiglu,
+};
+use crate::model::block::{Norm, Projection, Tier};
+
+/// An activation of a block on the GPU: a buffer holding `[positions, width]` values.
+#[derive(Clone)]
+pub struct GpuAct {
+    pub buffer: wgpu::Buffer,
+    pub width: usize,
+}
+
+/// A layer's routing on the GPU: each (position, slot)'s expert id and weight.
+pub struct GpuRouting {
+    ids: wgpu::Buffer,
+    weights: wgpu::Buffer,
+}
+
+/// Records a block of `n` positions into plan steps.
+pub struct PlanRecorder<'g, 'm> {
+    gpu: &'g GpuModel<'m>,
+    n: usize,
+    pub steps: Vec<PlanStep>,
+}
+
+impl<'g, 'm> PlanRecorder<'g, 'm> {
+    pub fn new(gpu: &'g GpuModel<'m>, n: usize, steps: Vec<PlanStep>) -> Self {
+        PlanRecorder { gpu, n, steps }
+    }
+
+    fn act(buffer: &wgpu::Buffer, width: usize) -> GpuAct {
+        GpuAct {
+            buffer: buffer.clone(),
+            width,
+        }
+    }
+}
+
+impl Tier for PlanRecorder<'_, '_> {
+    type Act = GpuAct;
+    type Routing = GpuRouting;
+    type Experts = GpuAct;
+
+    fn rms_norm(&mut self, layer: usize, norm: Norm, x: &GpuAct) -> Result<GpuAct> {
+        let (gpu, a) = (self.gpu, &self.gpu.act);
+        let w = &gpu.layers[layer];
+        let weights = match norm {
+            Norm::Input => &w.input_norm,
+            Norm::PostAttention => &w.post_attention_norm,
+        };
+        let eps = gpu.config.rms_norm_eps;
+        let dispatch = prepare_rms_norm(
+            &gpu.ctx, &x.buffer, weights, self.n, x.width, eps, &a.normed,
+        )?;
+        add(&mut self.steps, vec![dispatch]);
+        Ok(Self::act(&a.normed, x.width))
+    }
+
+    fn project<const N: usize>(
+        &mut self,
+        layer: usize,
+        projections: [Projection; N],
+        x: &GpuAct,
+    ) -> Result<[GpuAct; N]> {
+        let (gpu, a) = (self.gpu, &self.gpu.act);
+        let w = &gpu.layers[layer];
+        let mut outs = Vec::with_capacity(N);
+        for projection in projections {
+            let (matrix, bias, out) = match projection {
+                Projection::Query => (&w.q, &w.q_bias, &a.q),
+                Projection::Key => (&w.k, &w.k_bias, &a.k),
+                Projection::Value => (&w.v, &w.v_bias, &a.v),
+                Projection::Output => (&w.o, &w.o_bias, &a.projected),
+            };
+            if matrix.cols != x.width {
+                return Err(Error::Gpu(format!(
+                    "layer {layer} {projection:?}: {} inputs per position, the matrix takes {}",
+                    x.width, matrix.cols
+                )));
+            }
+            let dispatches =
+                matrix.prepare(&gpu.ctx, &x.buffer, self.n, bias.as_ref(), out, &a.dummy)?;
+            add(&mut self.steps, dispatches);
+            outs.push(Self::act(out, matrix.rows));
+        }
+        Ok(outs
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one output per projection")))
+    }
+
+    fn rope(&mut self, x: &mut GpuAct, heads: usize) -> Result<()> {
+        let (gpu, a) = (self.gpu, &self.gpu.act);
+        let head_dim = x.width / heads;
+        let dispatch = prepare_rope(
+            &gpu.ctx,
+            &x.buffer,
+            (self.n, heads, head_dim),
+            &a.cos,
+            &a.sin,
+        )?;
+        add(&mut self.steps, vec![dispatch]);
+        Ok(())
+    }
+
+    fn attention(
+        &mut self,
+        layer: usize,
+        spec: &AttentionSpec,
+        queries: &GpuAct,
+        keys: &GpuAct,
+        values: &GpuAct,
+    ) -> Result<GpuAct> {
+        let (gpu, a, n) = (self.gpu, &self.gpu.act, self.n);
+        let kv = &gpu.kv[layer];
+        let shape = AttentionShape {
+            num_heads: spec.heads,
+            num_kv_heads: spec.kv_heads,
+            head_dim: spec.head_dim,
+            capacity: kv.capacity,
+            window: spec.window,
+        };
+        let sinks = &gpu.layers[layer].sinks;
+        let (k, v) = (&keys.buffer, &values.buffer);
+        let ctx = &gpu.ctx;
+        let store = prepare_kv_store(ctx, shape, n, &a.step, k, v, &kv.keys, &kv.values)?;
+        let attend = prepare_attention(
+            ctx,
+            shape,
+            n,
+            &a.step,
+            &queries.buffer,
+            &kv.keys,
+            &kv.values,
+            sinks,
+            &a.attention,
+        )?;
+        add(&mut self.steps, vec![store, attend]);
+        Ok(Self::act(&a.attention, queries.width))
+    }
+
+    fn add(&mut self, into: &mut GpuAct, delta: &GpuAct) -> Result<()> {
+        let dispatch = prepare_add(
+            &self.gpu.ctx,
+            &delta.buffer,
+            &into.buffer,
+            self.n * into.width,
+        )?;
+        add(&mut self.steps, vec![dispatch]);
+        Ok(())
+    }
+
+    fn route(&mut self, layer: usize, spec: &RouterSpec, x: &GpuAct) -> Result<GpuRouting> {
+        let (gpu, a, n) = (self.gpu, &self.gpu.act, self.n);
+        let Gating::TopKThenSoftmax = spec.gating;
+        let w = &gpu.layers[layer];
+        let logits = &a.router_logits;
+        let product = w.router.prepare(
+            &gpu.ctx,
+            &x.buffer,
+            n,
+            Some(&w.router_bias),
+            logits,
+            &a.dummy,
+        )?;
+        add(&mut self.steps, product);
+        let shape = (n, spec.experts, spec.top_k);
+        let route = prepare_route(&gpu.ctx, logits, shape, &a.expert_ids, &a.expert_weights)?;
+        add(&mut self.steps, vec![route]);
+        if let Some(trace) = &a.routing_trace {
+            let bytes = (n * spec.top_k * 4) as u64;
+            self.steps.push(PlanStep::Copy {
+                from: a.expert_ids.clone(),
+                from_offset: 0,
+                to: trace.clone(),
+                to_offset: layer as u64 * bytes,
+                bytes,
+            });
+        }
+        Ok(GpuRouting {
+            ids: a.expert_ids.clone(),
+            weights: a.expert_weights.clone(),
+        })
+    }
+
+    /// Resident experts are picked by the routing ids on the device. Cached ones by the slot ids
+    /// the host writes after reading the routing (and the MoE input, for the CPU's misses) back.
+    fn experts(
+        &mut self,
+        layer: usize,
+        spec: &ExpertSpec,
+        x: &GpuAct,
+        routing: &GpuRouting,
+    ) -> Result<GpuAct> {
+        let (gpu, a, n) = (self.gpu, &self.gpu.act, self.n);
+        let Activation::ClampedSwiglu { alpha, limit } = spec.activation;
+        let k = gpu.config.experts_per_token;
+        let pairs = n * k;
+        let w = &gpu.layers[layer];
+        let (gate_up, gate_up_bias, down, down_bias, selector) = match (&w.experts, &gpu.pool) {
+            (Some(r), _) => (
+                &r.gate_up,
+                &r.gate_up_bias,
+                &r.down,
+                &r.down_bias,
+                &routing.ids,
+            ),
+            (None, Some(pool)) => {
+                let ids_capacity = (gpu.options.max_block * k * 4) as u64;
+                let staged = [
+                    (&routing.ids, 0, (pairs * 4) as u64),
+                    (&x.buffer, ids_capacity, (n * x.width * 4) as u64),
+                ];
+                for (from, to_offset, bytes) in staged {
+                    self.steps.push(PlanStep::Copy {
+                        from: from.clone(),
+                        from_offset: 0,
+                        to: a.routing_staging.clone(),
+                        to_offset,
+                        bytes,
+                    });
+                }
+                self.steps.push(PlanStep::PlaceExperts { layer });
+                (
+                    &pool.gate_up,
+                    &pool.gate_up_bias,
+                    &pool.down,
+                    &pool.down_bias,
+                    &a.slot_ids,
+                )
+            }
+            (None, None) => return Err(Error::Gpu(format!("layer {layer}: no experts in VRAM"))),
+        };
+        let cached = w.experts.is_none();
+        let ctx = &gpu.ctx;
+        let dispatches = gate_up.prepare(
+            ctx,
+            &x.buffer,
+            k,
+            selector,
+            pairs,
+            Some(gate_up_bias),
+            &a.gate_up,
+            &a.dummy,
+        )?;
+        add_experts(&mut self.steps, gate_up, cached, dispatches);
+        let shape = (pairs, spec.intermediate);
+        let swiglu = prepare_swiglu(ctx, &a.gate_up, shape, (alpha, limit), &a.activated)?;
+        add(&mut self.steps, vec![swiglu]);
+        let dispatches = down.prepare(
+            ctx,
+            &a.activated,
+            1,
+            selector,
+            pairs,
+            Some(down_bias),
+            &a.down,
+            &a.dummy,
+        )?;
+        add_experts(&mut self.steps, down, cached, dispatches);
+        Ok(Self::act(&a.down, spec.hidden))
+    }
+
+    fn combine(
+        &mut self,
+        hidden: &mut GpuAct,
+        routing: &GpuRouting,
+        experts: GpuAct,
+    ) -> Result<()> {
+        let k = self.gpu.config.experts_per_token;
+        let buffers = (&routing.ids, &routing.weights, &experts.buffer);
+        let shape = (self.n, k, hidden.width);
+        let dispatch = prepare_combine(&self.gpu.ctx, buffers, shape, &hidden.buffer)?;
+        add(&mut self.steps, vec![dispatch]);
+        Ok(())
+    }
+}
