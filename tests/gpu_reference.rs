@@ -259,3 +259,33 @@ fn experts_laid_out_for_the_cpu_tier_are_refused_by_the_gpu_tier() {
     assert!(error.to_string().contains("CPU tier only"), "{error}");
     assert!(model.cpu_only_mode().is_some());
 }
+
+#[test]
+fn both_tiers_run_the_same_layer_ops() {
+    let dir = fixtures_dir().join("tiny-routed");
+    let model = Model::load(&dir).unwrap();
+    let Some(gpu) = gpu_model(&model, 8) else {
+        return;
+    };
+    let tokens = [3, 1, 4, 1, 5];
+    let cpu_ops = model.layer_ops(&tokens).unwrap();
+    let gpu_ops = gpu.layer_ops(tokens.len()).unwrap();
+    // Per layer: two norms, two projections, two ropes, attention, two adds (residual and
+    // combine), route, experts.
+    let per_layer = 11;
+    assert_eq!(cpu_ops.len(), model.config.num_layers * per_layer);
+    assert_eq!(cpu_ops, gpu_ops);
+    let attention: Vec<&str> = cpu_ops
+        .iter()
+        .filter(|op| op.op.starts_with("attention"))
+        .map(|op| op.op.as_str())
+        .collect();
+    assert!(
+        attention.iter().any(|op| op.contains("Some")),
+        "{attention:?}"
+    );
+    assert!(
+        attention.iter().any(|op| op.contains("None")),
+        "{attention:?}"
+    );
+}

@@ -122,6 +122,19 @@ pub fn decoder_layer<T: Tier>(
     tier.observe(layer, Point::AfterExperts, hidden)
 }
 
+/// Decoder layers `layers` (each with its spec in `specs`) over the residual stream `hidden`.
+pub fn decoder_layers<T: Tier>(
+    tier: &mut T,
+    specs: &[LayerSpec],
+    layers: std::ops::Range<usize>,
+    hidden: &mut T::Act,
+) -> Result<()> {
+    for layer in layers {
+        decoder_layer(tier, layer, &specs[layer], hidden)?;
+    }
+    Ok(())
+}
+
 /// One op as a tier was asked to run it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OpRecord {

@@ -795,19 +795,7 @@ impl<'m> GpuModel<'m> {
                 .prepare_embed(ctx, &a.tokens, n, &a.hidden)?,
         );
         let mut recorder = plan::PlanRecorder::new(self, n, steps);
-        let mut hidden = plan::GpuAct {
-            buffer: a.hidden.clone(),
-            width: h,
-        };
-        for (l, spec) in self
-            .model
-            .layer_specs
-            .iter()
-            .enumerate()
-            .take(self.layers.len())
-        {
-            super::block::decoder_layer(&mut recorder, l, spec, &mut hidden)?;
-        }
+        self.record_layers(&mut recorder)?;
         let mut steps = recorder.steps;
         if head {
             steps.push(PlanStep::Copy {
@@ -864,6 +852,24 @@ impl<'m> GpuModel<'m> {
             }
         }
         Ok(steps)
+    }
+
+    /// Records the GPU's decoder layers over the block's residual stream into `tier`.
+    fn record_layers<T: super::block::Tier<Act = plan::GpuAct>>(&self, tier: &mut T) -> Result<()> {
+        let specs = &self.model.layer_specs;
+        let mut hidden = plan::GpuAct {
+            buffer: self.act.hidden.clone(),
+            width: self.config.hidden_size,
+        };
+        super::block::decoder_layers(tier, specs, 0..self.layers.len(), &mut hidden)
+    }
+
+    /// The ops the GPU tier records for a block of `n` tokens through its layers, in order:
+    /// what a test compares with the CPU tier's.
+    pub fn layer_ops(&self, n: usize) -> Result<Vec<super::block::OpRecord>> {
+        let mut tier = super::block::Recording::new(plan::PlanRecorder::new(self, n, Vec::new()));
+        self.record_layers(&mut tier)?;
+        Ok(tier.ops)
     }
 
     pub fn len(&self) -> usize {

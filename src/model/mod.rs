@@ -459,10 +459,19 @@ impl Model {
     ) -> Result<()> {
         let end = layers.end.min(self.config.num_layers);
         let mut tier = cpu_tier::CpuTier::new(self, cache, end, trace);
-        for l in layers {
-            block::decoder_layer(&mut tier, l, &self.layer_specs[l], hidden)?;
-        }
-        Ok(())
+        block::decoder_layers(&mut tier, &self.layer_specs, layers, hidden)
+    }
+
+    /// The ops the CPU tier runs for `tokens` through every layer, in order (run on a cache of
+    /// its own): what a test compares with the GPU tier's.
+    pub fn layer_ops(&self, tokens: &[u32]) -> Result<Vec<block::OpRecord>> {
+        let mut cache = self.new_cache(tokens.len());
+        generate::validate_tokens(&self.config, 0, tokens, tokens.len())?;
+        let mut hidden = self.embed(tokens);
+        let end = self.config.num_layers;
+        let mut tier = block::Recording::new(cpu_tier::CpuTier::new(self, &mut cache, end, None));
+        block::decoder_layers(&mut tier, &self.layer_specs, 0..end, &mut hidden)?;
+        Ok(tier.ops)
     }
 
     /// Logits of the last position of `hidden`: final norm, then lm_head.
