@@ -104,12 +104,11 @@ struct ModelArgs {
 }
 
 impl ModelArgs {
-    /// `load`, for chatting: the checkpoint's tokenizer.json (when it has one) must agree with
-    /// o200k_harmony's special tokens. Chat sessions run on the CPU tier (`ChatSession`), so
-    /// the experts get its layout.
-    fn load_for_chat(&self) -> Result<Model> {
+    /// `load` for chatting on `backend`: the checkpoint's tokenizer.json (when it has one) must
+    /// agree with o200k_harmony's special tokens.
+    fn load_for_chat(&self, backend: Backend) -> Result<Model> {
         picchio::chat::tokenizer::Tokenizer::check_checkpoint(&self.model)?;
-        self.load_for(BackendChoice::Cpu)
+        self.load_for(backend.into())
     }
 
     fn load(&self) -> Result<Model> {
@@ -165,6 +164,13 @@ struct PromptArgs {
     /// max_position_embeddings.
     #[arg(long, value_name = "N")]
     context: Option<usize>,
+    #[command(flatten)]
+    gpu: GpuArgs,
+}
+
+/// How the GPU tier holds the model: shared by every command that runs a session.
+#[derive(clap::Args)]
+struct GpuArgs {
     /// GPU memory for the GPU tier's expert cache: bytes (K/M/G/T suffix), N% of the model's
     /// expert bytes, or auto (every expert if the adapter takes them, else as many as it does).
     /// 0 keeps no expert in VRAM: the GPU runs attention and the CPU tier every expert.
@@ -179,6 +185,28 @@ struct PromptArgs {
     /// Default: as many as the dense weights fit in GPU memory.
     #[arg(long, value_name = "N")]
     gpu_layers: Option<usize>,
+}
+
+impl GpuArgs {
+    /// The GPU tier's options for a `context`-position run reporting `top_logits` logits.
+    fn options(&self, context: usize, top_logits: usize) -> GpuTierOptions {
+        GpuTierOptions {
+            context,
+            top_logits,
+            vram_budget: self.vram_budget,
+            miss_policy: self.miss_policy,
+            gpu_layers: self.gpu_layers,
+            ..Default::default()
+        }
+    }
+
+    /// Where chat sessions run.
+    fn tier(&self, backend: Backend) -> picchio::model::generate::SessionTier {
+        picchio::model::generate::SessionTier {
+            backend: backend.into(),
+            gpu: self.options(0, 2),
+        }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -247,14 +275,7 @@ impl PromptArgs {
 
     /// The GPU tier's options for a `context`-position run reporting `top_logits` logits.
     fn gpu_options(&self, context: usize, top_logits: usize) -> GpuTierOptions {
-        GpuTierOptions {
-            context,
-            top_logits,
-            vram_budget: self.vram_budget,
-            miss_policy: self.miss_policy,
-            gpu_layers: self.gpu_layers,
-            ..Default::default()
-        }
+        self.gpu.options(context, top_logits)
     }
 
     fn load(&self) -> Result<Model> {
@@ -319,6 +340,12 @@ enum Command {
     Chat {
         #[command(flatten)]
         model: ModelArgs,
+        /// Where the session runs: auto (a hardware GPU when there is one, else the CPU tier;
+        /// the choice is logged at start-up), gpu or cpu.
+        #[arg(long, value_enum, default_value_t = Backend::Auto)]
+        backend: Backend,
+        #[command(flatten)]
+        gpu: GpuArgs,
         /// Most positions the conversation holds (default: 4096, at most the model's
         /// max_position_embeddings).
         #[arg(long, value_name = "N")]
@@ -343,6 +370,12 @@ enum Command {
     Serve {
         #[command(flatten)]
         model: ModelArgs,
+        /// Where the session runs: auto (a hardware GPU when there is one, else the CPU tier;
+        /// the choice is logged at start-up), gpu or cpu.
+        #[arg(long, value_enum, default_value_t = Backend::Auto)]
+        backend: Backend,
+        #[command(flatten)]
+        gpu: GpuArgs,
         /// Speak the line protocol on stdin/stdout instead of HTTP (see docs/cli.md).
         #[arg(long)]
         stdio: bool,
@@ -710,6 +743,8 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Chat {
             model,
+            backend,
+            gpu,
             context,
             max_new_tokens,
             system,
@@ -719,7 +754,7 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             use std::io::IsTerminal;
             let sampling = sampling.options()?;
-            let loaded = model.load_for_chat()?;
+            let loaded = model.load_for_chat(backend)?;
             let context = session_context(&loaded, context)?;
             let options = picchio::chat::terminal::ChatOptions {
                 context,
@@ -733,6 +768,7 @@ fn run(cli: Cli) -> Result<()> {
                 show_reasoning,
                 dim: std::io::stdout().is_terminal(),
                 sampling,
+                tier: gpu.tier(backend),
             };
             if std::io::stdin().is_terminal() {
                 eprintln!("picchio chat: type a message; /reset starts over, /exit leaves");
@@ -751,6 +787,8 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Serve {
             model,
+            backend,
+            gpu,
             stdio,
             host,
             port,
@@ -758,12 +796,14 @@ fn run(cli: Cli) -> Result<()> {
             context,
             seed,
         } => {
-            let loaded = model.load_for_chat()?;
+            let loaded = model.load_for_chat(backend)?;
             let context = session_context(&loaded, context)?;
+            let tier = gpu.tier(backend);
             if stdio {
                 picchio::chat::stdio::serve(
                     &loaded,
                     context,
+                    &tier,
                     seed,
                     std::io::stdin().lock(),
                     std::io::stdout().lock(),
@@ -778,7 +818,7 @@ fn run(cli: Cli) -> Result<()> {
                     .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
                     .unwrap_or_else(|| "picchio".into())
             });
-            picchio::serve::serve(loaded, name, context, &host, port, |address| {
+            picchio::serve::serve(loaded, name, context, tier, &host, port, |address| {
                 eprintln!("picchio: listening on http://{address}");
             })?;
             Ok(())

@@ -36,6 +36,7 @@ use crate::chat::parser::{Event, StreamParser};
 use crate::chat::tokenizer::{HARMONY_VOCAB_SIZE, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::Model;
+use crate::model::generate::SessionTier;
 use crate::model::sampler::{Sampler, SamplingOptions};
 use crate::model::session::{ChatSession, Finish};
 
@@ -74,9 +75,25 @@ struct Shared {
     tokenizer: Tokenizer,
 }
 
-/// Runs the model worker: one job at a time, one session kept across jobs.
-fn worker(model: Arc<Model>, context: usize, jobs: flume::Receiver<Job>) {
-    let mut session = ChatSession::new(&model, context);
+/// Runs the model worker: one job at a time, one session kept across jobs, on `tier`. Says
+/// through `opened` whether the session opened before taking jobs.
+fn worker(
+    model: Arc<Model>,
+    context: usize,
+    tier: SessionTier,
+    opened: std::sync::mpsc::Sender<Result<()>>,
+    jobs: flume::Receiver<Job>,
+) {
+    let mut session = match ChatSession::open(&model, &tier, context) {
+        Ok(session) => {
+            let _ = opened.send(Ok(()));
+            session
+        }
+        Err(e) => {
+            let _ = opened.send(Err(e));
+            return;
+        }
+    };
     for job in jobs.iter() {
         let replies = job.replies.clone();
         let reused = match session.feed(&job.ids) {
@@ -830,6 +847,7 @@ pub fn serve(
     model: Model,
     name: String,
     context: usize,
+    tier: SessionTier,
     host: &str,
     port: u16,
     ready: impl FnOnce(std::net::SocketAddr),
@@ -846,10 +864,15 @@ pub fn serve(
         tokenizer: Tokenizer::o200k_harmony(),
     });
     let worker_model = model.clone();
+    let (opened, open_result) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("picchio-model".into())
-        .spawn(move || worker(worker_model, context, queue))
+        .spawn(move || worker(worker_model, context, tier, opened, queue))
         .map_err(|e| Error::io("model worker", e))?;
+    // No request is taken before the session opened (on the GPU: weights uploaded).
+    open_result
+        .recv()
+        .map_err(|_| Error::Gpu("the model worker stopped before its session opened".into()))??;
     let app = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))

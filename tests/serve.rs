@@ -126,7 +126,17 @@ fn chat(content: &str, max_tokens: usize) -> Value {
 
 #[test]
 fn health_models_and_chat_completions() {
-    let s = server(&[]);
+    let replies: Vec<Value> = common::backends()
+        .into_iter()
+        .map(health_models_and_chat_completions_on)
+        .collect();
+    // Greedy on every tier: the same reply.
+    assert!(replies.windows(2).all(|w| w[0] == w[1]), "{replies:?}");
+}
+
+/// Returns the first chat reply's choices.
+fn health_models_and_chat_completions_on(backend: &str) -> Value {
+    let s = server(&["--backend", backend]);
     let (status, body) = request(s.port, "GET", "/health", None);
     assert_eq!((status, body.as_str()), (200, r#"{"status":"ok"}"#));
     let (status, body) = request(s.port, "GET", "/v1/models", None);
@@ -137,6 +147,7 @@ fn health_models_and_chat_completions() {
     // Non-streaming: an OpenAI chat.completion object.
     let (status, reply) = post(s.port, "/v1/chat/completions", &chat("Say hi.", 5));
     assert_eq!(status, 200, "{reply}");
+    let first = reply["choices"].clone();
     assert_eq!(reply["object"], "chat.completion");
     assert_eq!(reply["choices"][0]["message"]["role"], "assistant");
     assert_eq!(reply["choices"][0]["finish_reason"], "length");
@@ -228,11 +239,18 @@ fn health_models_and_chat_completions() {
     assert_eq!(status, 200, "{reply}");
     assert_eq!(reply["object"], "text_completion");
     assert_eq!(reply["usage"]["completion_tokens"], 4);
+    first
 }
 
 #[test]
 fn bad_requests_get_openai_errors_and_leave_the_server_working() {
-    let s = server(&["--context", "128"]);
+    for backend in common::backends() {
+        bad_requests_on(backend);
+    }
+}
+
+fn bad_requests_on(backend: &str) {
+    let s = server(&["--backend", backend, "--context", "128"]);
     let (_, before) = post(s.port, "/v1/chat/completions", &chat("Hello", 4));
     let cases: Vec<(Option<String>, u16, &str)> = vec![
         (Some("{\"messages\": [".into()), 400, "invalid_json"),
@@ -312,7 +330,13 @@ fn bad_requests_get_openai_errors_and_leave_the_server_working() {
 
 #[test]
 fn concurrent_clients_are_queued_and_all_answered() {
-    let s = server(&[]);
+    for backend in common::backends() {
+        concurrent_clients_on(backend);
+    }
+}
+
+fn concurrent_clients_on(backend: &str) {
+    let s = server(&["--backend", backend]);
     let port = s.port;
     let clients: Vec<_> = (0..3)
         .map(|i| {
@@ -363,12 +387,20 @@ fn concurrent_clients_are_queued_and_all_answered() {
 /// written to its stdin (then closed).
 fn terminal_chat(
     dir: &std::path::Path,
+    backend: &str,
     max_new_tokens: usize,
     env: &[(&str, &str)],
     input: &[u8],
 ) -> Child {
     let mut child = picchio()
-        .args(["chat", "--model", dir.to_str().unwrap(), "--max-new-tokens"])
+        .args([
+            "chat",
+            "--backend",
+            backend,
+            "--model",
+            dir.to_str().unwrap(),
+        ])
+        .arg("--max-new-tokens")
         .arg(max_new_tokens.to_string())
         .envs(env.iter().copied())
         .stdin(Stdio::piped())
@@ -383,8 +415,18 @@ fn terminal_chat(
 #[test]
 fn terminal_chat_answers_reuses_the_conversation_and_resets() {
     let (_model, dir) = tiny_harmony();
+    let answers: Vec<String> = common::backends()
+        .into_iter()
+        .map(|backend| terminal_chat_on(&dir, backend))
+        .collect();
+    assert!(answers.windows(2).all(|w| w[0] == w[1]), "{answers:?}");
+}
+
+/// Returns the answers printed.
+fn terminal_chat_on(dir: &std::path::Path, backend: &str) -> String {
     let child = terminal_chat(
-        &dir,
+        dir,
+        backend,
         5,
         &[],
         b"Hello there\nAnd again\n/reset\nFresh start\n/exit\nnever read\n",
@@ -415,7 +457,9 @@ fn terminal_chat_answers_reuses_the_conversation_and_resets() {
         "{stderr}"
     );
     // One answer line per turn.
-    assert_eq!(String::from_utf8_lossy(&out.stdout).lines().count(), 3);
+    let answers = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(answers.lines().count(), 3);
+    answers
 }
 
 /// `PICCHIO_CPU_AMX=on` makes a CPU worker log, at the first matrix product, whether it uses AMX
@@ -425,7 +469,7 @@ fn terminal_chat_answers_reuses_the_conversation_and_resets() {
 fn terminal_chat_with_amx_asked_for_logs_the_choice_and_answers() {
     let (_model, dir) = tiny_harmony();
     let env = [("PICCHIO_CPU_AMX", "on"), ("RUST_LOG", "info")];
-    let mut child = terminal_chat(&dir, 3, &env, b"Hello there\n/exit\n");
+    let mut child = terminal_chat(&dir, "cpu", 3, &env, b"Hello there\n/exit\n");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
     while child.try_wait().unwrap().is_none() {
         if std::time::Instant::now() > deadline {

@@ -5,11 +5,12 @@ mod common;
 use std::io::Write;
 use std::process::{Command, Stdio};
 
-/// Runs a protocol session with `lines` on stdin and returns stdout's lines.
-fn session(lines: &[String]) -> Vec<String> {
+/// Runs a protocol session on `backend` with `lines` on stdin and returns stdout's lines.
+fn session(backend: &str, lines: &[String]) -> Vec<String> {
     let dir = common::fixtures_dir().join("tiny-routed");
     let mut child = Command::new(env!("CARGO_BIN_EXE_picchio"))
-        .args(["serve", "--stdio", "--model", dir.to_str().unwrap()])
+        .args(["serve", "--stdio", "--backend", backend])
+        .args(["--model", dir.to_str().unwrap()])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -51,6 +52,14 @@ fn tokens(lines: &[String]) -> Vec<u32> {
 
 #[test]
 fn two_turns_reuse_the_prefix_and_a_bad_keep_changes_nothing() {
+    let outputs: Vec<Vec<String>> = common::backends().into_iter().map(two_turns_on).collect();
+    // The same lines, tokens included, on every tier.
+    assert!(outputs.windows(2).all(|w| w[0] == w[1]), "{outputs:?}");
+}
+
+/// Returns the output of the session with the second turn.
+fn two_turns_on(backend: &str) -> Vec<String> {
+    let session = |lines: &[String]| session(backend, lines);
     let prompt = [3u32, 14, 15, 92, 65];
     // First process: turn 1, a bad turn, then turn 2 keeping everything turn 1 left.
     let first = session(&[turn(4, 0, &prompt)]);
@@ -95,15 +104,25 @@ fn two_turns_reuse_the_prefix_and_a_bad_keep_changes_nothing() {
     let fresh = session(&[turn(3, 0, &whole)]);
     assert_eq!(tokens(&fresh), continued);
     assert_eq!(fresh.last().unwrap(), "DONE MAX_TOKENS 3 14");
+    out
 }
 
 #[test]
 fn reset_empties_the_session_and_sampling_is_seeded() {
     let sampled = "TURN 6 0 0.9 0.95 20 3 1 2 3".to_string();
-    let out = session(&[sampled.clone(), "RESET".into(), sampled.clone()]);
-    let done: Vec<&String> = out.iter().filter(|l| l.starts_with("DONE")).collect();
-    assert_eq!(done, ["DONE MAX_TOKENS 6 9", "DONE MAX_TOKENS 6 9"]);
-    // Same seed and turn number in a new process: the same tokens.
-    let again = session(&[sampled]);
-    assert_eq!(tokens(&again), tokens(&out)[..6]);
+    let mut sampled_tokens = Vec::new();
+    for backend in common::backends() {
+        let out = session(backend, &[sampled.clone(), "RESET".into(), sampled.clone()]);
+        let done: Vec<&String> = out.iter().filter(|l| l.starts_with("DONE")).collect();
+        assert_eq!(done, ["DONE MAX_TOKENS 6 9", "DONE MAX_TOKENS 6 9"]);
+        // Same seed and turn number in a new process: the same tokens.
+        let again = session(backend, std::slice::from_ref(&sampled));
+        assert_eq!(tokens(&again), tokens(&out)[..6]);
+        sampled_tokens.push(tokens(&again));
+    }
+    // Seeded sampling chooses the same tokens on every tier.
+    assert!(
+        sampled_tokens.windows(2).all(|w| w[0] == w[1]),
+        "{sampled_tokens:?}"
+    );
 }

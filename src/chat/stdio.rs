@@ -17,6 +17,7 @@ use std::io::{BufRead, Write};
 use super::tokenizer::CALL;
 use crate::error::{Error, Result};
 use crate::model::Model;
+use crate::model::generate::SessionTier;
 use crate::model::sampler::{Sampler, SamplingOptions};
 use crate::model::session::{ChatSession, Finish};
 
@@ -83,16 +84,18 @@ fn send(output: &mut impl Write, line: &str) -> Result<()> {
 }
 
 /// Serves the protocol on `input`/`output` until `SHUTDOWN`, the end of input or a fatal error
-/// (returned after its `ERROR` line). `seed` seeds each turn's sampling (plus the turn's number).
+/// (returned after its `ERROR` line), the session on `tier`. `seed` seeds each turn's sampling
+/// (plus the turn's number).
 pub fn serve(
     model: &Model,
     context: usize,
+    tier: &SessionTier,
     seed: u64,
     input: impl BufRead,
     mut output: impl Write,
 ) -> Result<()> {
     let io = |e: std::io::Error| Error::io("the stdio protocol's output", e);
-    let mut session = ChatSession::new(model, context);
+    let mut session = ChatSession::open(model, tier, context)?;
     let stops = super::stop_ids(&model.config);
     let stop_list: Vec<String> = stops.iter().map(u32::to_string).collect();
     let ready = format!(

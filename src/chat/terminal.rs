@@ -14,6 +14,7 @@ use super::parser::{Event, StreamParser};
 use super::tokenizer::{HARMONY_VOCAB_SIZE, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::Model;
+use crate::model::generate::SessionTier;
 use crate::model::sampler::{Sampler, SamplingOptions};
 use crate::model::session::{ChatSession, Finish};
 
@@ -29,6 +30,8 @@ pub struct ChatOptions {
     /// Wrap reasoning in ANSI dim (when the output is a terminal).
     pub dim: bool,
     pub sampling: SamplingOptions,
+    /// Where the session runs.
+    pub tier: SessionTier,
 }
 
 fn message(role: Role, channel: Option<&str>, content: String) -> ChatMessage {
@@ -58,7 +61,7 @@ pub fn run(
     }
     let io = |e: std::io::Error| Error::io("the terminal", e);
     let tokenizer = Tokenizer::o200k_harmony();
-    let mut session = ChatSession::new(model, options.context);
+    let mut session = ChatSession::open(model, &options.tier, options.context)?;
     // The vocabulary is Harmony's (checked above): `<|return|>` and `<|call|>` are among these.
     let stops = super::stop_ids(&model.config);
     let base = Conversation {

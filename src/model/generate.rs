@@ -110,6 +110,12 @@ pub trait Session {
     /// Runs `tokens` after what the session holds; returns the step chosen at the last position,
     /// with its `top_logits` largest logits.
     fn feed(&mut self, tokens: &[u32], top_logits: usize) -> Result<Step>;
+    /// Runs `tokens` after what the session holds; returns every logit of the last position
+    /// (what a sampler needs).
+    fn feed_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>>;
+    /// Forgets positions `keep..`; an error (changing nothing) where the session's cache cannot
+    /// be cut back that far (sliding layers kept as rings).
+    fn truncate(&mut self, keep: usize) -> Result<()>;
     /// Positions held.
     fn len(&self) -> usize;
     fn is_empty(&self) -> bool {
@@ -140,12 +146,35 @@ impl<'a> CpuSession<'a> {
             cache: model.new_cache(context),
         }
     }
+
+    /// A session whose cache keeps every position, so that it can be cut back anywhere.
+    pub fn keeping_all(model: &'a Model, context: usize) -> CpuSession<'a> {
+        CpuSession {
+            model,
+            cache: KvCache::keeping_all(&model.config, context),
+        }
+    }
 }
 
 impl Session for CpuSession<'_> {
     fn feed(&mut self, tokens: &[u32], top_logits: usize) -> Result<Step> {
-        let logits = self.model.forward(&mut self.cache, tokens, None)?;
+        let logits = self.feed_logits(tokens)?;
         Ok(step_of(&logits, top_logits))
+    }
+
+    fn feed_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.model.forward(&mut self.cache, tokens, None)
+    }
+
+    fn truncate(&mut self, keep: usize) -> Result<()> {
+        if self.cache.truncate(keep) {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "cannot cut the KV cache back to {keep} of {} positions",
+                self.cache.len()
+            )))
+        }
     }
 
     fn len(&self) -> usize {
@@ -160,6 +189,14 @@ impl Session for CpuSession<'_> {
 impl Session for GpuModel<'_> {
     fn feed(&mut self, tokens: &[u32], top_logits: usize) -> Result<Step> {
         GpuModel::feed(self, tokens, top_logits)
+    }
+
+    fn feed_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        GpuModel::feed_logits(self, tokens)
+    }
+
+    fn truncate(&mut self, keep: usize) -> Result<()> {
+        GpuModel::truncate(self, keep)
     }
 
     fn len(&self) -> usize {
@@ -184,6 +221,8 @@ impl Session for GpuModel<'_> {
 pub struct FallbackSession<'a> {
     model: &'a Model,
     context: usize,
+    /// Whether the caches keep every position (so that the session can be cut back anywhere).
+    keep_all: bool,
     gpu: Option<GpuModel<'a>>,
     cpu: Option<CpuSession<'a>>,
     history: Vec<u32>,
@@ -194,19 +233,21 @@ impl<'a> FallbackSession<'a> {
         FallbackSession {
             model,
             context,
+            keep_all: gpu.keeps_all_positions(),
             gpu: Some(gpu),
             cpu: None,
             history: Vec::new(),
         }
     }
 
-    /// The CPU tier only.
-    pub fn cpu(model: &'a Model, context: usize) -> FallbackSession<'a> {
+    /// The CPU tier only; with `keep_all`, a cache that can be cut back anywhere.
+    pub fn cpu(model: &'a Model, context: usize, keep_all: bool) -> FallbackSession<'a> {
         FallbackSession {
             model,
             context,
+            keep_all,
             gpu: None,
-            cpu: Some(CpuSession::new(model, context)),
+            cpu: Some(new_cpu_session(model, context, keep_all)),
             history: Vec::new(),
         }
     }
@@ -221,6 +262,14 @@ impl<'a> FallbackSession<'a> {
     }
 }
 
+fn new_cpu_session(model: &Model, context: usize, keep_all: bool) -> CpuSession<'_> {
+    if keep_all {
+        CpuSession::keeping_all(model, context)
+    } else {
+        CpuSession::new(model, context)
+    }
+}
+
 /// Where the model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BackendChoice {
@@ -228,6 +277,23 @@ pub enum BackendChoice {
     Gpu,
     /// A GPU when there is one and the model fits on it, else the CPU.
     Auto,
+}
+
+/// Where sessions run: the tier choice and the GPU tier's options.
+#[derive(Debug, Clone)]
+pub struct SessionTier {
+    pub backend: BackendChoice,
+    pub gpu: GpuTierOptions,
+}
+
+impl SessionTier {
+    /// The CPU tier.
+    pub fn cpu() -> SessionTier {
+        SessionTier {
+            backend: BackendChoice::Cpu,
+            gpu: GpuTierOptions::default(),
+        }
+    }
 }
 
 /// Opens a session on the chosen tier (`gpu.context` and `gpu.top_logits` apply to both).
@@ -238,9 +304,9 @@ pub fn open_session<'a>(
     choice: BackendChoice,
     gpu: &GpuTierOptions,
 ) -> Result<FallbackSession<'a>> {
-    let context = gpu.context;
+    let (context, keep_all) = (gpu.context, gpu.keep_all_positions);
     if choice == BackendChoice::Cpu {
-        return Ok(FallbackSession::cpu(model, context));
+        return Ok(FallbackSession::cpu(model, context, keep_all));
     }
     if let Some(mode) = model.cpu_only_mode() {
         if choice == BackendChoice::Gpu {
@@ -249,7 +315,7 @@ pub fn open_session<'a>(
             )));
         }
         log::info!("running on the CPU tier ({mode} is CPU-only)");
-        return Ok(FallbackSession::cpu(model, context));
+        return Ok(FallbackSession::cpu(model, context, keep_all));
     }
     let gpu = crate::gpu::GpuContext::new(&crate::gpu::GpuOptions::from_env())
         .and_then(|ctx| GpuModel::new(ctx, model, gpu.clone()));
@@ -264,7 +330,7 @@ pub fn open_session<'a>(
         }
         (Err(e), BackendChoice::Auto) => {
             log::info!("running on the CPU tier ({e})");
-            Ok(FallbackSession::cpu(model, context))
+            Ok(FallbackSession::cpu(model, context, keep_all))
         }
         (Err(e), _) => Err(e),
     }
@@ -273,13 +339,19 @@ pub fn open_session<'a>(
 /// Prompt tokens the GPU tier runs per block.
 pub const DEFAULT_GPU_BLOCK: usize = 128;
 
-impl Session for FallbackSession<'_> {
-    fn feed(&mut self, tokens: &[u32], top_logits: usize) -> Result<Step> {
+impl FallbackSession<'_> {
+    /// Runs `tokens` through `run` on the GPU tier while it lives, else (or once it fails) on the
+    /// CPU tier, which first replays the tokens fed so far.
+    fn run<T>(
+        &mut self,
+        tokens: &[u32],
+        run: impl Fn(&mut dyn Session, &[u32]) -> Result<T>,
+    ) -> Result<T> {
         if let Some(gpu) = &mut self.gpu {
-            match gpu.feed(tokens, top_logits) {
-                Ok(step) => {
+            match run(gpu, tokens) {
+                Ok(out) => {
                     self.history.extend_from_slice(tokens);
-                    return Ok(step);
+                    return Ok(out);
                 }
                 // A lost device, or one that cannot go on (e.g. the KV cache outgrew it): the CPU
                 // tier takes over, rebuilding its cache from the tokens fed so far.
@@ -288,7 +360,7 @@ impl Session for FallbackSession<'_> {
                         "GPU: {message}; continuing on the CPU tier for the rest of the run"
                     );
                     self.gpu = None;
-                    let mut cpu = CpuSession::new(self.model, self.context);
+                    let mut cpu = new_cpu_session(self.model, self.context, self.keep_all);
                     if !self.history.is_empty() {
                         // On failure no CPU session is kept: every later feed fails too.
                         cpu.feed(&self.history, 0)?;
@@ -303,9 +375,29 @@ impl Session for FallbackSession<'_> {
                 "this session lost its GPU and could not rebuild its cache on the CPU".into(),
             )
         })?;
-        let step = cpu.feed(tokens, top_logits)?;
+        let out = run(cpu, tokens)?;
         self.history.extend_from_slice(tokens);
-        Ok(step)
+        Ok(out)
+    }
+}
+
+impl Session for FallbackSession<'_> {
+    fn feed(&mut self, tokens: &[u32], top_logits: usize) -> Result<Step> {
+        self.run(tokens, |session, tokens| session.feed(tokens, top_logits))
+    }
+
+    fn feed_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        self.run(tokens, |session, tokens| session.feed_logits(tokens))
+    }
+
+    fn truncate(&mut self, keep: usize) -> Result<()> {
+        match (&mut self.gpu, &mut self.cpu) {
+            (Some(gpu), _) => gpu.truncate(keep)?,
+            (None, Some(cpu)) => cpu.truncate(keep)?,
+            (None, None) => {}
+        }
+        self.history.truncate(keep);
+        Ok(())
     }
 
     fn len(&self) -> usize {

@@ -69,6 +69,10 @@ pub struct GpuTierOptions {
     /// Decoder layers the GPU runs (the first ones; the rest, and then the head, run on the CPU
     /// tier). `None`: as many as the dense weights fit.
     pub gpu_layers: Option<usize>,
+    /// Keep every position of sliding layers too (not a ring of the window), so that the cache
+    /// can be cut back to any earlier length (`truncate`): what a chat session reusing a prefix
+    /// needs.
+    pub keep_all_positions: bool,
 }
 
 impl Default for GpuTierOptions {
@@ -80,8 +84,18 @@ impl Default for GpuTierOptions {
             vram_budget: VramBudget::Auto,
             miss_policy: MissPolicy::Auto,
             gpu_layers: None,
+            keep_all_positions: false,
         }
     }
+}
+
+/// What a block's head leaves for the host to read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum HeadOutput {
+    /// The `top_logits` largest logits, chosen on the device (a few words to read back).
+    Top,
+    /// Every logit (a sampler's input: the vocabulary's size times 4 bytes to read back).
+    Logits,
 }
 
 /// Where one layer ran, with the expert counts behind the choice (summed over the run).
@@ -271,8 +285,8 @@ pub struct GpuModel<'m> {
     cpu_cache: Option<super::KvCache>,
     cpu_last_hidden: Vec<f32>,
     kv: Vec<KvBuffers>,
-    /// Plans by (block size, runs the head).
-    plans: HashMap<(usize, bool), Vec<PlanStep>>,
+    /// Plans by (block size, what its head leaves to read, if it runs the head).
+    plans: HashMap<(usize, Option<HeadOutput>), Vec<PlanStep>>,
     len: usize,
     /// Tokens in the last block run.
     last_block: usize,
@@ -338,6 +352,15 @@ fn add_experts(
     }
     for (dispatch, slots) in dispatches.into_iter().zip(experts.chunk_ranges()) {
         steps.push(PlanStep::SlotChunk { dispatch, slots });
+    }
+}
+
+/// The KV cache of the layers the CPU tier runs after the GPU's.
+fn new_cpu_cache(cfg: &Config, options: &GpuTierOptions) -> super::KvCache {
+    if options.keep_all_positions {
+        super::KvCache::keeping_all(cfg, options.context)
+    } else {
+        super::KvCache::new(cfg, options.context)
     }
 }
 
@@ -532,8 +555,8 @@ impl<'m> GpuModel<'m> {
             top: zeroed("top", top_bytes)?,
             staging: ctx.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("top staging"),
-                // The top-k, then (every expert resident) every layer's routing ids.
-                size: top_bytes + f(layers.len() * b * k),
+                // The top-k or every logit, then (every expert resident) every layer's routing ids.
+                size: top_bytes.max(f(cfg.vocab_size)) + f(layers.len() * b * k),
                 usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
             }),
@@ -557,8 +580,7 @@ impl<'m> GpuModel<'m> {
                     }
                 })
                 .collect(),
-            cpu_cache: (layers.len() < cfg.num_layers)
-                .then(|| super::KvCache::new(cfg, options.context)),
+            cpu_cache: (layers.len() < cfg.num_layers).then(|| new_cpu_cache(cfg, &options)),
             cpu_last_hidden: Vec::new(),
             rope: RopeTable::new(cfg),
             config: cfg.clone(),
@@ -716,13 +738,13 @@ impl<'m> GpuModel<'m> {
     /// for sliding layers, every position (grown in steps) for full ones.
     fn new_kv(&self, l: usize, needed: usize) -> Result<KvBuffers> {
         // A sliding layer's ring must hold every key a block's queries read.
-        let wanted = match self.config.window_of(l) {
+        let wanted = match self.config.window_of(l).filter(|_| self.rings(l)) {
             Some(w) => w + self.options.max_block - 1,
             None => needed.max(256).next_power_of_two(),
         }
         .min(self.options.context.max(1));
         let capacity = wanted.min(self.max_kv_positions());
-        if self.config.window_of(l).is_some() && capacity < wanted {
+        if self.rings(l) && capacity < wanted {
             return Err(Error::Gpu(format!(
                 "layer {l}: a ring of {wanted} key positions exceeds this GPU's binding limit ({capacity})"
             )));
@@ -735,11 +757,17 @@ impl<'m> GpuModel<'m> {
         })
     }
 
-    /// Makes every full-attention layer's cache hold `needed` positions (copying what it holds).
+    /// Whether layer `l` keeps its keys in a ring (a sliding layer, unless the model keeps every
+    /// position).
+    fn rings(&self, l: usize) -> bool {
+        self.config.window_of(l).is_some() && !self.options.keep_all_positions
+    }
+
+    /// Makes every cache but the rings hold `needed` positions (copying what it holds).
     fn ensure_kv(&mut self, needed: usize) -> Result<()> {
         let mut grown = false;
         for l in 0..self.kv.len() {
-            if self.config.window_of(l).is_some() || self.kv[l].capacity >= needed {
+            if self.rings(l) || self.kv[l].capacity >= needed {
                 continue;
             }
             let bigger = self.new_kv(l, needed)?;
@@ -783,7 +811,7 @@ impl<'m> GpuModel<'m> {
     }
 
     /// Every kernel of a block of `n` tokens, in order.
-    fn build_plan(&self, n: usize, head: bool) -> Result<Vec<PlanStep>> {
+    fn build_plan(&self, n: usize, head: Option<HeadOutput>) -> Result<Vec<PlanStep>> {
         let cfg = &self.config;
         let ctx = &self.ctx;
         let a = &self.act;
@@ -797,7 +825,7 @@ impl<'m> GpuModel<'m> {
         let mut recorder = plan::PlanRecorder::new(self, n, steps);
         self.record_layers(&mut recorder)?;
         let mut steps = recorder.steps;
-        if head {
+        if let Some(output) = head {
             steps.push(PlanStep::Copy {
                 from: a.hidden.clone(),
                 from_offset: ((n - 1) * h * 4) as u64,
@@ -824,34 +852,45 @@ impl<'m> GpuModel<'m> {
                     .ok_or_else(|| Error::Gpu("the head is not on the GPU".into()))?
                     .prepare(ctx, &a.final_normed, 1, None, &a.logits, &a.dummy)?,
             );
-            add(
-                &mut steps,
-                vec![prepare_top_k(
-                    ctx,
-                    &a.logits,
-                    cfg.vocab_size,
-                    self.options.top_logits,
-                    &a.top,
-                )?],
-            );
+            let read = match output {
+                HeadOutput::Top => {
+                    let top_k = self.options.top_logits;
+                    let vocab = cfg.vocab_size;
+                    add(
+                        &mut steps,
+                        vec![prepare_top_k(ctx, &a.logits, vocab, top_k, &a.top)?],
+                    );
+                    &a.top
+                }
+                HeadOutput::Logits => &a.logits,
+            };
+            let head_bytes = self.head_bytes(output);
             steps.push(PlanStep::Copy {
-                from: a.top.clone(),
+                from: read.clone(),
                 from_offset: 0,
                 to: a.staging.clone(),
                 to_offset: 0,
-                bytes: (8 * self.options.top_logits) as u64,
+                bytes: head_bytes,
             });
             if let (None, Some(trace)) = (&self.pool, &a.routing_trace) {
                 steps.push(PlanStep::Copy {
                     from: trace.clone(),
                     from_offset: 0,
                     to: a.staging.clone(),
-                    to_offset: (8 * self.options.top_logits) as u64,
+                    to_offset: head_bytes,
                     bytes: (self.layers.len() * n * k * 4) as u64,
                 });
             }
         }
         Ok(steps)
+    }
+
+    /// Bytes a head run leaves in the staging buffer before the routing ids.
+    fn head_bytes(&self, output: HeadOutput) -> u64 {
+        match output {
+            HeadOutput::Top => 8 * self.options.top_logits as u64,
+            HeadOutput::Logits => 4 * self.config.vocab_size as u64,
+        }
     }
 
     /// Records the GPU's decoder layers over the block's residual stream into `tier`.
@@ -883,14 +922,7 @@ impl<'m> GpuModel<'m> {
     /// Runs `tokens` after what the cache holds; returns the next-token step from the last
     /// position (the `top_logits` largest logits, read back from the device).
     pub fn feed(&mut self, tokens: &[u32], top_logits: usize) -> Result<Step> {
-        validate_tokens(&self.config, self.len, tokens, self.options.context)?;
-        let blocks: Vec<&[u32]> = tokens.chunks(self.options.max_block).collect();
-        let last = blocks.len() - 1;
-        let gpu_head = self.lm_head.is_some();
-        for (b, block) in blocks.into_iter().enumerate() {
-            self.run_block(block, gpu_head && b == last, None)?;
-        }
-        if !gpu_head {
+        if !self.run_tokens(tokens, HeadOutput::Top)? {
             let logits = self.model.head(&self.cpu_last_hidden);
             return Ok(super::generate::step_of(&logits, top_logits));
         }
@@ -907,12 +939,63 @@ impl<'m> GpuModel<'m> {
         })
     }
 
-    /// Runs a block through the GPU's layers (and its head when `head`), then through the CPU
-    /// tier's layers if it has some (recording them in `cpu_trace`).
+    /// Runs `tokens` after what the cache holds; returns every logit of the last position (read
+    /// back whole from the device, or computed by the CPU tier's head).
+    pub fn feed_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
+        if !self.run_tokens(tokens, HeadOutput::Logits)? {
+            return Ok(self.model.head(&self.cpu_last_hidden));
+        }
+        let bytes = self.read_head(HeadOutput::Logits)?;
+        Ok(bytemuck::pod_collect_to_vec(&bytes))
+    }
+
+    /// Runs `tokens` block by block, the last block through the GPU's head with `output` when
+    /// the GPU holds the head (true), else leaving the last residual for the CPU's (false).
+    fn run_tokens(&mut self, tokens: &[u32], output: HeadOutput) -> Result<bool> {
+        validate_tokens(&self.config, self.len, tokens, self.options.context)?;
+        let blocks: Vec<&[u32]> = tokens.chunks(self.options.max_block).collect();
+        let last = blocks.len() - 1;
+        let gpu_head = self.lm_head.is_some();
+        for (b, block) in blocks.into_iter().enumerate() {
+            let head = (gpu_head && b == last).then_some(output);
+            self.run_block(block, head, None)?;
+        }
+        Ok(gpu_head)
+    }
+
+    /// Forgets positions `keep..`. Fails (changing nothing) when a sliding layer's ring may have
+    /// overwritten positions before `keep` that its queries would see: a model built with
+    /// `keep_all_positions` can always be cut back.
+    pub fn truncate(&mut self, keep: usize) -> Result<()> {
+        if keep > self.len {
+            return Err(Error::InvalidArgument(format!(
+                "cannot keep {keep} positions of {}",
+                self.len
+            )));
+        }
+        let rings = (0..self.kv.len()).any(|l| self.rings(l));
+        if keep < self.len && rings {
+            return Err(Error::InvalidArgument(format!(
+                "cannot cut the GPU KV cache back to {keep}: sliding layers keep a ring"
+            )));
+        }
+        if let Some(cache) = &mut self.cpu_cache
+            && !cache.truncate(keep)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "cannot cut the CPU tier's KV cache back to {keep}"
+            )));
+        }
+        self.len = keep;
+        Ok(())
+    }
+
+    /// Runs a block through the GPU's layers (and its head when `head` says what it leaves to
+    /// read), then through the CPU tier's layers if it has some (recording them in `cpu_trace`).
     fn run_block(
         &mut self,
         tokens: &[u32],
-        head: bool,
+        head: Option<HeadOutput>,
         cpu_trace: Option<&mut Vec<super::LayerTrace>>,
     ) -> Result<()> {
         let n = tokens.len();
@@ -936,7 +1019,7 @@ impl<'m> GpuModel<'m> {
         if !self.plans.contains_key(&(n, head)) {
             // Plans of odd block sizes (prompt remainders) are not worth keeping forever.
             if self.plans.len() >= 8 {
-                self.plans.retain(|key, _| *key == (1, true));
+                self.plans.retain(|key, _| key.0 == 1 && key.1.is_some());
             }
             let plan = self.scoped(|model| model.build_plan(n, head))?;
             self.plans.insert((n, head), plan);
@@ -952,7 +1035,7 @@ impl<'m> GpuModel<'m> {
         result?;
         self.len += n;
         self.last_block = n;
-        if let (None, Some(trace), false) = (&self.pool, &self.act.routing_trace, head) {
+        if let (None, Some(trace), None) = (&self.pool, &self.act.routing_trace, head) {
             // Blocks without a head have no readback of their own: count their routing here.
             let bytes = (self.layers.len() * n * self.config.experts_per_token * 4) as u64;
             let ids: Vec<u32> = bytemuck::pod_collect_to_vec(&self.ctx.read_back(trace, bytes)?);
@@ -1237,7 +1320,18 @@ impl<'m> GpuModel<'m> {
 
     /// Reads the on-device top-k of the last head run: `(id, logit)`, largest first.
     fn read_top(&mut self) -> Result<Vec<(u32, f32)>> {
-        let top_bytes = 8 * self.options.top_logits;
+        let bytes = self.read_head(HeadOutput::Top)?;
+        let words: Vec<u32> = bytemuck::pod_collect_to_vec(&bytes);
+        Ok(words
+            .chunks_exact(2)
+            .map(|w| (w[0], f32::from_bits(w[1])))
+            .collect())
+    }
+
+    /// Reads what the last head run left (`output`), counting the block's routing where every
+    /// expert is resident (read in the same mapping).
+    fn read_head(&mut self, output: HeadOutput) -> Result<Vec<u8>> {
+        let head_bytes = self.head_bytes(output) as usize;
         let counting = self.pool.is_none() && self.act.routing_trace.is_some();
         let routing_bytes = if counting {
             self.layers.len() * self.last_block * self.config.experts_per_token * 4
@@ -1245,16 +1339,13 @@ impl<'m> GpuModel<'m> {
             0
         };
         let staging = self.act.staging.clone();
-        let bytes = self.read_staging(&staging, (top_bytes + routing_bytes) as u64)?;
-        let words: Vec<u32> = bytemuck::pod_collect_to_vec(&bytes[..top_bytes]);
+        let mut bytes = self.read_staging(&staging, (head_bytes + routing_bytes) as u64)?;
         if counting {
-            let ids: Vec<u32> = bytemuck::pod_collect_to_vec(&bytes[top_bytes..]);
+            let ids: Vec<u32> = bytemuck::pod_collect_to_vec(&bytes[head_bytes..]);
             self.count_resident_routing(&ids);
         }
-        Ok(words
-            .chunks_exact(2)
-            .map(|w| (w[0], f32::from_bits(w[1])))
-            .collect())
+        bytes.truncate(head_bytes);
+        Ok(bytes)
     }
 
     /// Router top-k ids of every layer at every position of `prompt`, run from position 0 block
@@ -1282,7 +1373,7 @@ impl<'m> GpuModel<'m> {
         for chunk in prompt.chunks(block) {
             let mut cpu_layers = Vec::new();
             result =
-                self.run_block(chunk, false, Some(&mut cpu_layers))
+                self.run_block(chunk, None, Some(&mut cpu_layers))
                     .and_then(|()| {
                         let used = layers * chunk.len() * k;
                         let ids: Vec<u32> = bytemuck::pod_collect_to_vec(
@@ -1337,8 +1428,13 @@ impl<'m> GpuModel<'m> {
     pub fn reset(&mut self) {
         self.len = 0;
         if let Some(cache) = &mut self.cpu_cache {
-            *cache = super::KvCache::new(&self.config, self.options.context);
+            *cache = new_cpu_cache(&self.config, &self.options);
         }
+    }
+
+    /// Whether the KV cache keeps every position (`GpuTierOptions::keep_all_positions`).
+    pub fn keeps_all_positions(&self) -> bool {
+        self.options.keep_all_positions
     }
 
     /// Decoder layers the GPU runs (the first ones); the CPU tier runs the rest.

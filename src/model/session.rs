@@ -1,11 +1,13 @@
-//! A conversation's state on the CPU tier: the tokens its KV cache holds, so that the next turn
+//! A conversation's state on either tier: the tokens its KV cache holds, so that the next turn
 //! recomputes only what changed. Harmony's re-render of a conversation drops the analysis of
 //! finished turns, so a new turn's ids are not simply the old ones plus more: the session keeps
 //! their longest common prefix and computes the rest. Every emitted token is fed back, so the
 //! position always equals the cache's length.
 
+use super::Model;
+use super::generate::{FallbackSession, Session, SessionTier, open_session};
+use super::gpu_tier::GpuTierOptions;
 use super::sampler::Sampler;
-use super::{KvCache, Model};
 use crate::error::{Error, Result};
 
 /// Why a turn's generation ended.
@@ -23,7 +25,9 @@ pub enum Finish {
 
 pub struct ChatSession<'m> {
     model: &'m Model,
-    cache: KvCache,
+    /// The tier that runs it, its caches keeping every position (a turn may cut them back).
+    session: FallbackSession<'m>,
+    context: usize,
     /// What the cache holds, position by position.
     tokens: Vec<u32>,
     /// The logits after the last token (None when the cache is empty).
@@ -31,14 +35,36 @@ pub struct ChatSession<'m> {
 }
 
 impl<'m> ChatSession<'m> {
-    /// An empty session of at most `context` positions.
+    /// An empty session of at most `context` positions on the CPU tier.
     pub fn new(model: &'m Model, context: usize) -> ChatSession<'m> {
+        ChatSession::on(model, FallbackSession::cpu(model, context, true), context)
+    }
+
+    /// An empty session of at most `context` positions on the tier `tier` picks
+    /// (`open_session`).
+    pub fn open(model: &'m Model, tier: &SessionTier, context: usize) -> Result<ChatSession<'m>> {
+        let options = GpuTierOptions {
+            keep_all_positions: true,
+            context,
+            ..tier.gpu.clone()
+        };
+        let session = open_session(model, tier.backend, &options)?;
+        Ok(ChatSession::on(model, session, context))
+    }
+
+    fn on(model: &'m Model, session: FallbackSession<'m>, context: usize) -> ChatSession<'m> {
         ChatSession {
             model,
-            cache: KvCache::keeping_all(&model.config, context),
+            session,
+            context,
             tokens: Vec::new(),
             logits: None,
         }
+    }
+
+    /// The tier running the session (its counters and placement for statistics).
+    pub fn tier(&self) -> &FallbackSession<'m> {
+        &self.session
     }
 
     pub fn position(&self) -> usize {
@@ -46,7 +72,7 @@ impl<'m> ChatSession<'m> {
     }
 
     pub fn context(&self) -> usize {
-        self.cache.context()
+        self.context
     }
 
     pub fn tokens(&self) -> &[u32] {
@@ -54,7 +80,10 @@ impl<'m> ChatSession<'m> {
     }
 
     pub fn reset(&mut self) {
-        self.cache = KvCache::keeping_all(&self.model.config, self.cache.context());
+        if let Err(e) = self.session.truncate(0) {
+            // Both tiers keep every position here: this cannot happen.
+            log::error!("resetting a chat session: {e}");
+        }
         self.tokens.clear();
         self.logits = None;
     }
@@ -85,14 +114,10 @@ impl<'m> ChatSession<'m> {
         if ids.is_empty() {
             return Ok(()); // keep == position: the logits stand.
         }
-        if !self.cache.truncate(keep) {
-            return Err(Error::InvalidArgument(format!(
-                "cannot cut the session back to {keep}"
-            )));
-        }
+        self.session.truncate(keep)?;
         self.tokens.truncate(keep);
         // On failure the session is empty rather than half-written.
-        match self.model.forward(&mut self.cache, ids, None) {
+        match self.session.feed_logits(ids) {
             Ok(logits) => {
                 self.tokens.extend_from_slice(ids);
                 self.logits = Some(logits);

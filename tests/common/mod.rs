@@ -217,6 +217,15 @@ pub fn bf16_to_f32_bytes(data: &[u8]) -> Vec<u8> {
         .collect()
 }
 
+/// The `--backend` values the binary tests run with: cpu, and gpu where there is one (`gpu`).
+pub fn backends() -> Vec<&'static str> {
+    let mut backends = vec!["cpu"];
+    if gpu(None).is_some() {
+        backends.push("gpu");
+    }
+    backends
+}
+
 /// The GPU for GPU tests, or None (with the reason printed) when there is none and CI did not ask
 /// for one: `PICCHIO_REQUIRE_GPU=1` (set by .ci/run) turns a missing adapter into a failure, and
 /// `PICCHIO_EXPECT_BACKEND` pins the wgpu backend.
