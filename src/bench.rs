@@ -431,6 +431,7 @@ pub fn run_bench(
         };
 
         let rate = |hits: u64| (decode.requests > 0).then(|| hits as f64 / decode.requests as f64);
+        let prefetch_accuracy = model.prediction_accuracy(model.prefetch_proxy_on(&backend));
         runs.push(BenchRun {
             backend,
             ram_budget: format!("{budget:?}"),
@@ -440,7 +441,7 @@ pub fn run_bench(
             vram_hit_rate: if on_gpu { rate(decode.vram_hits) } else { None },
             upload_bytes_per_token: decode.upload_bytes as f64 / decoded,
             prefetch,
-            prefetch_accuracy: model.prediction_accuracy(options.prefetch_proxy),
+            prefetch_accuracy,
             prefetch_used_per_token: decode.prefetch.used as f64 / decoded,
             prefetch_bytes_per_token: decode.prefetch.bytes as f64 / decoded,
             prefill_tokens_per_s: options.prompt_tokens as f64

@@ -982,6 +982,52 @@ impl ExpertStore {
         Ok(issued)
     }
 
+    /// Starts reading `experts` of `layer` for a faster tier's prefetch (the GPU tier's VRAM
+    /// cache): from the RAM cache where it holds them, else by the IO threads, behind the reads
+    /// already queued. These are not requests (the layer has not chosen them yet): only
+    /// `prefetch.issued` counts them, and `wait_prefetch` their bytes.
+    pub fn request_prefetch(&self, layer: usize, experts: &[usize]) -> Result<Vec<Pending>> {
+        let lru = self.cache.lock().unwrap();
+        let mut pending = Vec::with_capacity(experts.len());
+        for &expert in experts {
+            let key = ExpertKey { layer, expert };
+            match lru.entries.get(&key) {
+                Some((data, _)) => pending.push(Pending(PendingState::Ready(data.clone()))),
+                None => {
+                    let (reply, answer) = flume::bounded(1);
+                    self.jobs.send((key, reply)).map_err(|_| io_stopped())?;
+                    pending.push(Pending(PendingState::Reading(key, answer)));
+                }
+            }
+        }
+        self.counters
+            .prefetch_issued
+            .fetch_add(experts.len() as u64, Ordering::Relaxed);
+        Ok(pending)
+    }
+
+    /// The expert of a `request_prefetch`, waiting for its read if it is still under way.
+    pub fn wait_prefetch(&self, pending: Pending) -> Result<Arc<ExpertData>> {
+        let data = match pending.0 {
+            PendingState::Ready(data) => data,
+            PendingState::Reading(_, answer) | PendingState::Prefetched(_, answer) => {
+                answer.recv().map_err(|_| io_stopped())??
+            }
+        };
+        self.counters
+            .prefetch_bytes
+            .fetch_add(data.bytes as u64, Ordering::Relaxed);
+        Ok(data)
+    }
+
+    /// Counts prefetched experts a faster tier's cache then used, and bytes it dropped unused.
+    pub fn count_prefetch_outcome(&self, used: u64, wasted_bytes: u64) {
+        let c = &self.counters;
+        c.prefetch_used.fetch_add(used, Ordering::Relaxed);
+        c.prefetch_wasted_bytes
+            .fetch_add(wasted_bytes, Ordering::Relaxed);
+    }
+
     /// Moves prefetch reads that have arrived into the cache.
     fn collect_prefetched(&self) {
         let arrived: Vec<(ExpertKey, Result<Arc<ExpertData>>)> = {

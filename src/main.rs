@@ -679,12 +679,12 @@ fn run(cli: Cli) -> Result<()> {
                         "placement": placement,
                         "prefetch": {
                             "enabled": loaded.prefetch.enabled,
-                            "proxy": loaded.prefetch.proxy.name(),
+                            "proxy": loaded.prefetch_proxy_on(ran_on).name(),
                             "issued": experts.prefetch.issued,
                             "used": experts.prefetch.used,
                             "bytes": experts.prefetch.bytes,
                             "wasted_bytes": experts.prefetch.wasted_bytes,
-                            "accuracy": loaded.prediction_accuracy(loaded.prefetch.proxy),
+                            "accuracy": loaded.prediction_accuracy(loaded.prefetch_proxy_on(ran_on)),
                             "accuracy_by_proxy": {
                                 "a": loaded.prediction_accuracy(picchio::model::PrefetchProxy::A),
                                 "b": loaded.prediction_accuracy(picchio::model::PrefetchProxy::B),

@@ -353,3 +353,70 @@ fn prefetch_never_changes_tokens_and_guesses_better_than_chance() {
         }
     }
 }
+
+/// With no RAM budget, the GPU tier still prefetches: the next layer's guessed experts go
+/// straight into VRAM slots while the current layer runs.
+#[test]
+fn prefetch_reaches_vram_without_a_ram_cache() {
+    use picchio::model::{PrefetchOptions, PrefetchProxy};
+    let dir = fixtures_dir().join("tiny-routed");
+    let reference = reference(&dir);
+    let mut runs = Vec::new();
+    for enabled in [false, true] {
+        let model = Model::load_with(
+            &dir,
+            &ModelOptions {
+                ram_budget: RamBudget::Bytes(0),
+                prefetch: PrefetchOptions {
+                    enabled,
+                    proxy: PrefetchProxy::B,
+                    measure_accuracy: true,
+                },
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let options = GpuTierOptions {
+            vram_budget: VramBudget::Percent(25.0),
+            ..gpu_options()
+        };
+        let Some(mut session) = gpu_session(&model, options) else {
+            return;
+        };
+        let out = generate_with(
+            &mut session,
+            &model.config,
+            &reference.prompt_ids,
+            &greedy_options(32),
+        )
+        .unwrap();
+        assert_eq!(
+            out.generated_ids, reference.generated_ids,
+            "prefetch {enabled}"
+        );
+        let stats = model.experts.stats();
+        let accuracy = model.prediction_accuracy(model.prefetch_proxy_on("gpu"));
+        runs.push((stats, accuracy, session.gpu_counters().unwrap()));
+    }
+    let [(off, _, _), (on, accuracy, _)] = runs.as_slice() else {
+        unreachable!()
+    };
+    eprintln!("prefetch off {off:?}\nprefetch on {on:?}, accuracy {accuracy:?}");
+    let probe = Model::load(&dir).unwrap();
+    let chance = probe.config.experts_per_token as f64 / probe.config.num_experts as f64;
+    assert_eq!(off.prefetch.issued, 0);
+    assert!(on.prefetch.issued > 0, "{on:?}");
+    assert!(
+        accuracy.unwrap() >= 2.0 * chance,
+        "{accuracy:?} vs chance {chance}"
+    );
+    assert!(
+        2 * on.prefetch.used >= on.prefetch.issued,
+        "used {} of {} prefetched",
+        on.prefetch.used,
+        on.prefetch.issued
+    );
+    // Prefetched experts are hits the layer would otherwise have read and uploaded itself.
+    assert!(on.vram_hits > off.vram_hits, "{on:?} vs {off:?}");
+    assert_eq!(on.requests, on.vram_hits + on.ram_hits + on.disk_reads);
+}

@@ -14,7 +14,10 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
+mod placement;
 mod plan;
+
+use placement::{CpuMisses, ExpertPool};
 
 use super::Model;
 use super::generate::{Step, validate_tokens};
@@ -117,6 +120,11 @@ pub struct LayerPlacement {
 pub struct GpuCounters {
     pub submits: u64,
     pub readbacks: u64,
+    /// Microseconds the host spent computing the experts VRAM lacked (CPU tier), while the GPU
+    /// ran the layer's other experts.
+    pub cpu_expert_us: u64,
+    /// Microseconds the host waited for readbacks (the GPU still working).
+    pub readback_wait_us: u64,
 }
 
 struct GpuLayer {
@@ -143,48 +151,6 @@ struct ResidentExperts {
     gate_up_bias: wgpu::Buffer,
     down: GpuExperts,
     down_bias: wgpu::Buffer,
-}
-
-/// Marks a (token, slot) pair that no cache slot serves: the CPU computed it.
-const NO_SLOT: u32 = u32::MAX;
-
-/// The VRAM expert cache: slots holding any layer's experts (the weights and biases of one
-/// expert per slot), an LRU over them, and the map from (layer, expert) to slot.
-struct ExpertPool {
-    gate_up: GpuExperts,
-    down: GpuExperts,
-    /// `[slots, rows]` biases of the expert in each slot.
-    gate_up_bias: wgpu::Buffer,
-    down_bias: wgpu::Buffer,
-    slot_of: HashMap<ExpertKey, usize>,
-    owner: Vec<Option<ExpertKey>>,
-    last_used: Vec<u64>,
-    clock: u64,
-}
-
-impl ExpertPool {
-    fn slots(&self) -> usize {
-        self.owner.len()
-    }
-
-    /// A slot for a new expert: a free one, else (when `evict`) the least recently used one not
-    /// used at `now` (the current layer's experts stay).
-    fn claim(&mut self, evict: bool, now: u64) -> Option<(usize, Option<ExpertKey>)> {
-        if let Some(free) = self.owner.iter().position(Option::is_none) {
-            return Some((free, None));
-        }
-        if !evict {
-            return None;
-        }
-        let victim = (0..self.slots())
-            .filter(|&s| self.last_used[s] < now)
-            .min_by_key(|&s| self.last_used[s])?;
-        let old = self.owner[victim].take();
-        if let Some(old) = old {
-            self.slot_of.remove(&old);
-        }
-        Some((victim, old))
-    }
 }
 
 /// Bytes one cached expert takes in VRAM: weights, scales and f32 biases of both projections.
@@ -243,6 +209,9 @@ enum PlanStep {
     PlaceExperts {
         layer: usize,
     },
+    /// Where the layer placed experts on the CPU tier: submit what came before (its GPU
+    /// experts), then compute those on the host meanwhile.
+    CpuExperts,
     Copy {
         from: wgpu::Buffer,
         from_offset: u64,
@@ -270,6 +239,10 @@ pub struct GpuModel<'m> {
     used_slots: Vec<bool>,
     /// The next layer's experts as guessed from this layer's MoE input (VRAM cache only).
     guess: Option<Vec<Vec<usize>>>,
+    /// Prefetches under way into the VRAM cache: each guessed expert's slot and its read.
+    prefetching: Vec<(usize, ExpertKey, crate::experts::Pending)>,
+    /// The experts the layer being run left to the CPU tier.
+    cpu_misses: Option<CpuMisses>,
     placement: Vec<LayerPlacement>,
     config: Config,
     rope: RopeTable,
@@ -329,9 +302,8 @@ fn record(encoder: &mut wgpu::CommandEncoder, steps: &[PlanStep], used: &[bool])
                 pass = None;
                 encoder.copy_buffer_to_buffer(from, *from_offset, to, *to_offset, *bytes);
             }
-            PlanStep::PlaceExperts { .. } => {
-                unreachable!("plans are split at PlaceExperts before recording")
-            }
+            // Host actions: the plan is submitted up to them (where they have work).
+            PlanStep::PlaceExperts { .. } | PlanStep::CpuExperts => {}
         }
     }
 }
@@ -568,6 +540,8 @@ impl<'m> GpuModel<'m> {
             pool: None,
             used_slots: Vec::new(),
             guess: None,
+            prefetching: Vec::new(),
+            cpu_misses: None,
             placement: (0..cfg.num_layers)
                 .map(|layer| {
                     let tier = if layer < layers.len() { "gpu" } else { "cpu" };
@@ -712,17 +686,15 @@ impl<'m> GpuModel<'m> {
         let what = format!("{slots} cached experts");
         let pool = catching_oom(&ctx.device, &what, || {
             let f = |n: usize| (n.max(1) * 4) as u64;
-            Ok(ExpertPool {
-                gate_up: GpuExperts::pool(ctx, "cached gate_up", &first.gate_up, slots)?,
-                down: GpuExperts::pool(ctx, "cached down", &first.down, slots)?,
-                gate_up_bias: ctx
-                    .zeroed("cached gate_up bias", f(slots * 2 * cfg.intermediate_size))?,
-                down_bias: ctx.zeroed("cached down bias", f(slots * cfg.hidden_size))?,
-                slot_of: HashMap::new(),
-                owner: vec![None; slots],
-                last_used: vec![0; slots],
-                clock: 0,
-            })
+            Ok(ExpertPool::new(
+                GpuExperts::pool(ctx, "cached gate_up", &first.gate_up, slots)?,
+                GpuExperts::pool(ctx, "cached down", &first.down, slots)?,
+                [
+                    ctx.zeroed("cached gate_up bias", f(slots * 2 * cfg.intermediate_size))?,
+                    ctx.zeroed("cached down bias", f(slots * cfg.hidden_size))?,
+                ],
+                slots,
+            ))
         })?;
         self.used_slots = vec![false; slots];
         self.pool = Some(pool);
@@ -1061,23 +1033,38 @@ impl<'m> GpuModel<'m> {
     }
 
     /// Records the plan's runs between expert placements into one encoder each.
+    /// Records the plan into one encoder per stretch between host actions: a placement (always:
+    /// it reads the routing back) and CPU experts (when the layer left some to the CPU tier).
     fn run_plan(&mut self, plan: &[PlanStep], n: usize) -> Result<()> {
-        for segment in plan.split_inclusive(|s| matches!(s, PlanStep::PlaceExperts { .. })) {
-            let (steps, place) = match segment.split_last() {
-                Some((PlanStep::PlaceExperts { layer }, steps)) => (steps, Some(*layer)),
-                _ => (segment, None),
+        let mut first = 0;
+        for (i, step) in plan.iter().enumerate() {
+            let acts = match step {
+                PlanStep::PlaceExperts { .. } => true,
+                PlanStep::CpuExperts => self.has_cpu_misses(),
+                _ => false,
             };
-            self.ctx.guard(|| {
-                let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
-                record(&mut encoder, steps, &self.used_slots);
-                self.ctx.queue.submit([encoder.finish()]);
-                Ok(())
-            })?;
-            self.counters.submits += 1;
-            if let Some(layer) = place {
-                self.place_layer_experts(layer, n)?;
+            if !acts {
+                continue;
+            }
+            self.submit(&plan[first..i])?;
+            first = i + 1;
+            match step {
+                PlanStep::PlaceExperts { layer } => self.place_layer_experts(*layer, n)?,
+                _ => self.run_cpu_misses()?,
             }
         }
+        self.submit(&plan[first..])
+    }
+
+    /// Records `steps` into one encoder and submits it.
+    fn submit(&mut self, steps: &[PlanStep]) -> Result<()> {
+        self.ctx.guard(|| {
+            let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
+            record(&mut encoder, steps, &self.used_slots);
+            self.ctx.queue.submit([encoder.finish()]);
+            Ok(())
+        })?;
+        self.counters.submits += 1;
         Ok(())
     }
 
@@ -1085,9 +1072,16 @@ impl<'m> GpuModel<'m> {
     /// validation errors and timed, in the log at debug level. Slow; the results are the same.
     fn run_plan_debug(&mut self, plan: &[PlanStep], n: usize) -> Result<()> {
         for (i, step) in plan.iter().enumerate() {
-            if let PlanStep::PlaceExperts { layer } = step {
-                self.place_layer_experts(*layer, n)?;
-                continue;
+            match step {
+                PlanStep::PlaceExperts { layer } => {
+                    self.place_layer_experts(*layer, n)?;
+                    continue;
+                }
+                PlanStep::CpuExperts => {
+                    self.run_cpu_misses()?;
+                    continue;
+                }
+                _ => {}
             }
             let scope = self
                 .ctx
@@ -1123,7 +1117,9 @@ impl<'m> GpuModel<'m> {
         buffer.map_async(wgpu::MapMode::Read, ..bytes, move |r| {
             let _ = sender.send(r);
         });
+        let started = Instant::now();
         self.ctx.wait()?;
+        self.counters.readback_wait_us += started.elapsed().as_micros() as u64;
         receiver
             .recv()
             .map_err(|_| Error::Gpu("readback never completed".into()))?
@@ -1138,184 +1134,6 @@ impl<'m> GpuModel<'m> {
             return Err(Error::Gpu("the GPU device was lost".into()));
         }
         Ok(out)
-    }
-
-    /// Places layer `l`'s experts for a block of `n` tokens whose routing and MoE input the last
-    /// submission copied to the staging buffer: cache hits keep their slot, misses are uploaded
-    /// into a slot or computed here on the CPU tier (their outputs written into the rows of the
-    /// down-projection buffer the GPU leaves alone), then the slot of every pair is written.
-    fn place_layer_experts(&mut self, l: usize, n: usize) -> Result<()> {
-        let model = self.model;
-        let (h, k) = (model.config.hidden_size, model.config.experts_per_token);
-        let ids_capacity = self.options.max_block * k * 4;
-        let staging = self.act.routing_staging.clone();
-        let bytes = self.read_staging(&staging, (ids_capacity + n * h * 4) as u64)?;
-        let ids: Vec<u32> = bytemuck::pod_collect_to_vec(&bytes[..n * k * 4]);
-        let x: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes[ids_capacity..]);
-        let mut chosen: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
-        chosen.sort_unstable();
-        chosen.dedup();
-        if let Some(&bad) = chosen.iter().find(|&&e| e >= model.config.num_experts) {
-            return Err(Error::Gpu(format!(
-                "layer {l}: the router chose expert {bad}"
-            )));
-        }
-
-        let evict = match self.options.miss_policy {
-            MissPolicy::Upload => true,
-            MissPolicy::Cpu => false,
-            MissPolicy::Auto => n > 1,
-        };
-        let pool = self
-            .pool
-            .as_mut()
-            .ok_or_else(|| Error::Gpu("no VRAM expert cache".into()))?;
-        pool.clock += 1;
-        let now = pool.clock;
-        let mut slot_of_expert: HashMap<usize, usize> = HashMap::new();
-        let mut evicted = 0;
-        let (mut hits, mut uploads, mut on_cpu) = (Vec::new(), Vec::new(), Vec::new());
-        for &e in &chosen {
-            let key = ExpertKey {
-                layer: l,
-                expert: e,
-            };
-            if let Some(&slot) = pool.slot_of.get(&key) {
-                pool.last_used[slot] = now;
-                slot_of_expert.insert(e, slot);
-                hits.push(e);
-            }
-        }
-        for &e in &chosen {
-            if slot_of_expert.contains_key(&e) {
-                continue;
-            }
-            match pool.claim(evict, now) {
-                Some((slot, old)) => {
-                    evicted += old.is_some() as u64;
-                    let key = ExpertKey {
-                        layer: l,
-                        expert: e,
-                    };
-                    pool.owner[slot] = Some(key);
-                    pool.slot_of.insert(key, slot);
-                    pool.last_used[slot] = now;
-                    slot_of_expert.insert(e, slot);
-                    uploads.push(e);
-                }
-                None => on_cpu.push(e),
-            }
-        }
-        model.experts.count_vram_hits(l, &hits);
-        model.experts.count_vram_evictions(evicted);
-
-        // Every read starts before the first is awaited; each expert is used as it arrives.
-        let fetched: Vec<usize> = uploads.iter().chain(&on_cpu).copied().collect();
-        let requests = model.experts.request(l, &fetched)?;
-        // The guess made at the layer before, scored; then the next layer's, from this layer's
-        // MoE input (proxy A: the only one the host sees here), read behind this layer's.
-        let actual: Vec<crate::cpu::moe::Routing> = ids
-            .chunks(k)
-            .map(|slots| crate::cpu::moe::Routing {
-                experts: slots.iter().map(|&e| e as usize).collect(),
-                weights: Vec::new(),
-            })
-            .collect();
-        if let Some(guess) = self.guess.take() {
-            model.score_prediction(super::PrefetchProxy::A, &guess, &actual);
-        }
-        // The GPU tier prefetches with proxy A, whatever the CPU tier's choice.
-        if l + 1 < self.layers.len() && (model.prefetch.enabled || model.prefetch.measure_accuracy)
-        {
-            let guess = model.predict_experts(l + 1, &x, false)?;
-            if model.prefetch.enabled {
-                // Only what VRAM lacks: a cached expert never goes through RAM.
-                let pool = self.pool.as_ref().expect("checked above");
-                let mut wanted: Vec<usize> = guess.iter().flatten().copied().collect();
-                wanted.sort_unstable();
-                wanted.dedup();
-                wanted.retain(|&e| {
-                    let key = ExpertKey {
-                        layer: l + 1,
-                        expert: e,
-                    };
-                    !pool.slot_of.contains_key(&key)
-                });
-                model.experts.prefetch(l + 1, &wanted)?;
-            }
-            self.guess = Some(guess);
-        }
-        let layer = &model.weights.layers[l];
-        let i = model.config.intermediate_size;
-        let queue = &self.ctx.queue;
-        let pool = self.pool.as_ref().expect("checked above");
-        for (&e, request) in fetched.iter().zip(requests) {
-            let expert = model.experts.wait(request)?;
-            if let Some(&slot) = slot_of_expert.get(&e) {
-                let started = Instant::now();
-                pool.gate_up.write_slot(queue, slot, &expert.gate_up)?;
-                pool.down.write_slot(queue, slot, &expert.down)?;
-                let gate_up_bias = &layer.gate_up_bias[e * 2 * i..(e + 1) * 2 * i];
-                let down_bias = &layer.down_bias[e * h..(e + 1) * h];
-                queue.write_buffer(
-                    &pool.gate_up_bias,
-                    (slot * 2 * i * 4) as u64,
-                    bytemuck::cast_slice(gate_up_bias),
-                );
-                queue.write_buffer(
-                    &pool.down_bias,
-                    (slot * h * 4) as u64,
-                    bytemuck::cast_slice(down_bias),
-                );
-                let bytes = expert.gate_up.expert_bytes()
-                    + expert.down.expert_bytes()
-                    + 4 * (gate_up_bias.len() + down_bias.len());
-                model.experts.count_upload(bytes as u64, started);
-            } else {
-                let started = Instant::now();
-                let pairs: Vec<usize> = (0..n * k).filter(|&p| ids[p] as usize == e).collect();
-                let xs: Vec<f32> = pairs
-                    .iter()
-                    .flat_map(|&p| x[(p / k) * h..(p / k + 1) * h].to_vec())
-                    .collect();
-                let out = model.run_expert(layer, e, &expert, &xs);
-                for (row, &p) in out.chunks_exact(h).zip(&pairs) {
-                    queue.write_buffer(
-                        &self.act.down,
-                        (p * h * 4) as u64,
-                        bytemuck::cast_slice(row),
-                    );
-                }
-                super::CpuTimings::add(&model.timings.experts_us, started);
-            }
-        }
-        self.used_slots.fill(false);
-        for &slot in slot_of_expert.values() {
-            self.used_slots[slot] = true;
-        }
-        let slots: Vec<u32> = ids
-            .iter()
-            .map(|&e| {
-                slot_of_expert
-                    .get(&(e as usize))
-                    .map_or(NO_SLOT, |&s| s as u32)
-            })
-            .collect();
-        queue.write_buffer(&self.act.slot_ids, 0, bytemuck::cast_slice(&slots));
-
-        let placed = &mut self.placement[l];
-        placed.vram_hits += hits.len() as u64;
-        placed.uploads += uploads.len() as u64;
-        placed.cpu_experts += on_cpu.len() as u64;
-        placed.experts = match (
-            placed.vram_hits + placed.uploads > 0,
-            placed.cpu_experts > 0,
-        ) {
-            (true, true) => "gpu+cpu",
-            (false, true) => "cpu",
-            _ => "gpu",
-        };
-        Ok(())
     }
 
     /// Reads the on-device top-k of the last head run: `(id, logit)`, largest first.

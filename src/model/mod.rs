@@ -532,6 +532,16 @@ impl Model {
         Ok(predicted)
     }
 
+    /// The proxy that guesses the next layer's experts on a tier: the chosen one on the CPU tier;
+    /// proxy A on the GPU tier, whose host sees a layer's MoE input (read back to place its
+    /// experts) but not its output.
+    pub fn prefetch_proxy_on(&self, backend: &str) -> PrefetchProxy {
+        match backend {
+            "gpu" => PrefetchProxy::A,
+            _ => self.prefetch.proxy,
+        }
+    }
+
     /// Whether the CPU tier prefetches with `which` proxy.
     fn prefetches_with(&self, which: PrefetchProxy) -> bool {
         self.prefetch.enabled && self.prefetch.proxy == which

@@ -265,6 +265,9 @@ impl Tier for PlanRecorder<'_, '_> {
             &a.dummy,
         )?;
         add_experts(&mut self.steps, down, cached, dispatches);
+        if cached {
+            self.steps.push(PlanStep::CpuExperts);
+        }
         Ok(Self::act(&a.down, spec.hidden))
     }
 

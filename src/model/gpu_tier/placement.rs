@@ -1,0 +1,419 @@
+//! The GPU tier's VRAM expert cache and where each chosen expert runs. Once a layer's routing is
+//! read back: cache hits keep their slot, misses are uploaded into a slot or computed by the CPU
+//! tier from RAM (`MissPolicy`); the CPU's misses run only after the layer's GPU experts were
+//! submitted, so both work side by side, and their outputs join the GPU's before the same
+//! on-device combine. The next layer's experts, guessed from this layer's MoE input, are read and
+//! uploaded into free or evictable slots while the GPU computes.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use super::{GpuModel, MissPolicy};
+use crate::cpu::moe::Routing;
+use crate::error::{Error, Result};
+use crate::experts::{ExpertData, ExpertKey, Pending};
+use crate::gpu::kernels::GpuExperts;
+use crate::model::PrefetchProxy;
+
+/// Marks a (token, slot) pair that no cache slot serves: the CPU computed it.
+pub(super) const NO_SLOT: u32 = u32::MAX;
+
+/// The VRAM expert cache: slots holding any layer's experts (the weights and biases of one
+/// expert per slot), an LRU over them, and the map from (layer, expert) to slot.
+pub(super) struct ExpertPool {
+    pub gate_up: GpuExperts,
+    pub down: GpuExperts,
+    /// `[slots, rows]` biases of the expert in each slot.
+    pub gate_up_bias: wgpu::Buffer,
+    pub down_bias: wgpu::Buffer,
+    /// Slots whose expert is written (a prefetch's slot joins once its upload is queued).
+    pub slot_of: HashMap<ExpertKey, usize>,
+    /// Who holds or is about to hold each slot.
+    pub owner: Vec<Option<ExpertKey>>,
+    pub last_used: Vec<u64>,
+    /// Slots a prefetch filled that no layer has used since.
+    pub prefetched: Vec<bool>,
+    pub clock: u64,
+}
+
+impl ExpertPool {
+    pub fn new(
+        gate_up: GpuExperts,
+        down: GpuExperts,
+        biases: [wgpu::Buffer; 2],
+        slots: usize,
+    ) -> ExpertPool {
+        let [gate_up_bias, down_bias] = biases;
+        ExpertPool {
+            gate_up,
+            down,
+            gate_up_bias,
+            down_bias,
+            slot_of: HashMap::new(),
+            owner: vec![None; slots],
+            last_used: vec![0; slots],
+            prefetched: vec![false; slots],
+            clock: 0,
+        }
+    }
+
+    pub fn slots(&self) -> usize {
+        self.owner.len()
+    }
+
+    /// A slot for `key`: a free one, else (when `evict`) the least recently used one not used at
+    /// `now` (the current layer's experts stay). Returns the slot and whether it held an expert
+    /// that a prefetch brought and nobody used.
+    fn claim(&mut self, key: ExpertKey, evict: bool, now: u64) -> Option<(usize, Evicted)> {
+        let slot = match self.owner.iter().position(Option::is_none) {
+            Some(free) => free,
+            None if evict => (0..self.slots())
+                .filter(|&s| self.last_used[s] < now)
+                .min_by_key(|&s| self.last_used[s])?,
+            None => return None,
+        };
+        let evicted = match self.owner[slot].replace(key) {
+            Some(old) => {
+                self.slot_of.remove(&old);
+                match std::mem::take(&mut self.prefetched[slot]) {
+                    true => Evicted::UnusedPrefetch,
+                    false => Evicted::Used,
+                }
+            }
+            None => Evicted::Nothing,
+        };
+        self.last_used[slot] = now;
+        Some((slot, evicted))
+    }
+}
+
+/// What a claimed slot held before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Evicted {
+    Nothing,
+    Used,
+    UnusedPrefetch,
+}
+
+/// Routing ids (`[n, top_k]`) as per-position routings (without weights), for scoring guesses.
+fn routing_of_ids(ids: &[u32], k: usize) -> Vec<Routing> {
+    ids.chunks(k)
+        .map(|slots| Routing {
+            experts: slots.iter().map(|&e| e as usize).collect(),
+            weights: Vec::new(),
+        })
+        .collect()
+}
+
+/// A layer's experts the CPU tier computes, once the GPU's were submitted.
+pub(super) struct CpuMisses {
+    layer: usize,
+    /// The layer's routing ids, `[n, top_k]`.
+    ids: Vec<u32>,
+    /// The layer's MoE input, `[n, hidden]`.
+    x: Vec<f32>,
+    experts: Vec<(usize, Pending)>,
+}
+
+/// A layer's experts, sorted by where they run.
+struct Placed {
+    slot_of_expert: HashMap<usize, usize>,
+    hits: Vec<usize>,
+    uploads: Vec<usize>,
+    on_cpu: Vec<usize>,
+}
+
+impl GpuModel<'_> {
+    /// Places layer `l`'s experts for a block of `n` tokens whose routing and MoE input the last
+    /// submission copied to the staging buffer: hits keep their slot, misses are uploaded into
+    /// a slot or left for the CPU tier (`run_cpu_misses`), then the slot of every pair is
+    /// written. Guesses the next layer's experts and starts their prefetch.
+    pub(super) fn place_layer_experts(&mut self, l: usize, n: usize) -> Result<()> {
+        // The prefetch for this layer: its reads had the GPU's time since the last sync.
+        self.finish_prefetch();
+        let (ids, x) = self.read_routing(n)?;
+        let k = self.config.experts_per_token;
+        let mut chosen: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
+        chosen.sort_unstable();
+        chosen.dedup();
+        if let Some(&bad) = chosen.iter().find(|&&e| e >= self.config.num_experts) {
+            return Err(Error::Gpu(format!(
+                "layer {l}: the router chose expert {bad}"
+            )));
+        }
+        let placed = self.assign_slots(l, &chosen, n)?;
+        let model = self.model;
+        // Every read starts before the first is awaited; each expert is used as it arrives.
+        let requests = model.experts.request(l, &placed.uploads)?;
+        let cpu_requests = model.experts.request(l, &placed.on_cpu)?;
+        // Behind this layer's reads: the guess for the next layer and its prefetch.
+        self.guess_next(l, &ids, &x)?;
+        for (&e, request) in placed.uploads.iter().zip(requests) {
+            let expert = model.experts.wait(request)?;
+            self.write_expert(placed.slot_of_expert[&e], l, e, &expert)?;
+        }
+        self.cpu_misses = (!placed.on_cpu.is_empty()).then(|| CpuMisses {
+            layer: l,
+            ids: ids.clone(),
+            x,
+            experts: placed.on_cpu.iter().copied().zip(cpu_requests).collect(),
+        });
+        self.used_slots.fill(false);
+        for &slot in placed.slot_of_expert.values() {
+            self.used_slots[slot] = true;
+        }
+        let slots: Vec<u32> = ids
+            .iter()
+            .map(|&e| {
+                let slot = placed.slot_of_expert.get(&(e as usize));
+                slot.map_or(NO_SLOT, |&s| s as u32)
+            })
+            .collect();
+        let queue = &self.ctx.queue;
+        queue.write_buffer(&self.act.slot_ids, 0, bytemuck::cast_slice(&slots));
+        debug_assert_eq!(slots.len(), n * k);
+        self.record_placement(l, &placed);
+        Ok(())
+    }
+
+    /// The routing ids (`[n, top_k]`) and MoE input (`[n, hidden]`) of the layer being placed.
+    fn read_routing(&mut self, n: usize) -> Result<(Vec<u32>, Vec<f32>)> {
+        let (h, k) = (self.config.hidden_size, self.config.experts_per_token);
+        let ids_capacity = self.options.max_block * k * 4;
+        let staging = self.act.routing_staging.clone();
+        let bytes = self.read_staging(&staging, (ids_capacity + n * h * 4) as u64)?;
+        let ids = bytemuck::pod_collect_to_vec(&bytes[..n * k * 4]);
+        let x = bytemuck::pod_collect_to_vec(&bytes[ids_capacity..]);
+        Ok((ids, x))
+    }
+
+    /// Hits keep their slot (a prefetched one counts as used); misses get a slot while the miss
+    /// policy lets them, else go to the CPU.
+    fn assign_slots(&mut self, l: usize, chosen: &[usize], n: usize) -> Result<Placed> {
+        let evict = match self.options.miss_policy {
+            MissPolicy::Upload => true,
+            MissPolicy::Cpu => false,
+            MissPolicy::Auto => n > 1,
+        };
+        let record_bytes = self.model.experts.expert_bytes();
+        let pool = self
+            .pool
+            .as_mut()
+            .ok_or_else(|| Error::Gpu("no VRAM expert cache".into()))?;
+        pool.clock += 1;
+        let now = pool.clock;
+        let mut placed = Placed {
+            slot_of_expert: HashMap::new(),
+            hits: Vec::new(),
+            uploads: Vec::new(),
+            on_cpu: Vec::new(),
+        };
+        let (mut prefetch_used, mut wasted, mut evicted) = (0, 0, 0);
+        for &e in chosen {
+            let key = ExpertKey {
+                layer: l,
+                expert: e,
+            };
+            if let Some(&slot) = pool.slot_of.get(&key) {
+                pool.last_used[slot] = now;
+                prefetch_used += std::mem::take(&mut pool.prefetched[slot]) as u64;
+                placed.slot_of_expert.insert(e, slot);
+                placed.hits.push(e);
+            }
+        }
+        for &e in chosen {
+            if placed.slot_of_expert.contains_key(&e) {
+                continue;
+            }
+            let key = ExpertKey {
+                layer: l,
+                expert: e,
+            };
+            match pool.claim(key, evict, now) {
+                Some((slot, old)) => {
+                    evicted += (old != Evicted::Nothing) as u64;
+                    wasted += (old == Evicted::UnusedPrefetch) as u64 * record_bytes;
+                    pool.slot_of.insert(key, slot);
+                    placed.slot_of_expert.insert(e, slot);
+                    placed.uploads.push(e);
+                }
+                None => placed.on_cpu.push(e),
+            }
+        }
+        let store = &self.model.experts;
+        store.count_vram_hits(l, &placed.hits);
+        store.count_vram_evictions(evicted);
+        store.count_prefetch_outcome(prefetch_used, wasted);
+        Ok(placed)
+    }
+
+    /// Scores the guess made at the layer before, then guesses layer `l + 1`'s experts from this
+    /// layer's MoE input (proxy A: the only one the host sees here) and, with prefetch on,
+    /// starts reading those VRAM lacks into slots the current layer does not use.
+    fn guess_next(&mut self, l: usize, ids: &[u32], x: &[f32]) -> Result<()> {
+        let model = self.model;
+        let k = self.config.experts_per_token;
+        if let Some(guess) = self.guess.take() {
+            let actual = routing_of_ids(ids, k);
+            model.score_prediction(PrefetchProxy::A, &guess, &actual);
+        }
+        let next = l + 1;
+        if next >= self.layers.len() || !(model.prefetch.enabled || model.prefetch.measure_accuracy)
+        {
+            return Ok(());
+        }
+        let guess = model.predict_experts(next, x, false)?;
+        if model.prefetch.enabled {
+            self.prefetch(next, &guess)?;
+        }
+        self.guess = Some(guess);
+        Ok(())
+    }
+
+    /// Claims a slot for each guessed expert of layer `l` that VRAM lacks (never one the current
+    /// layer uses; not at all under `--miss-policy cpu`, which never evicts, once no slot is
+    /// free) and starts reading it.
+    fn prefetch(&mut self, l: usize, guess: &[Vec<usize>]) -> Result<()> {
+        let evict = self.options.miss_policy != MissPolicy::Cpu;
+        let record_bytes = self.model.experts.expert_bytes();
+        let pool = self.pool.as_mut().expect("a layer was placed");
+        let mut wanted: Vec<usize> = guess.iter().flatten().copied().collect();
+        wanted.sort_unstable();
+        wanted.dedup();
+        let now = pool.clock;
+        let (mut claimed, mut evicted, mut wasted) = (Vec::new(), 0, 0);
+        for e in wanted {
+            let key = ExpertKey {
+                layer: l,
+                expert: e,
+            };
+            if pool.slot_of.contains_key(&key) {
+                continue;
+            }
+            let Some((slot, old)) = pool.claim(key, evict, now) else {
+                break;
+            };
+            evicted += (old != Evicted::Nothing) as u64;
+            wasted += (old == Evicted::UnusedPrefetch) as u64 * record_bytes;
+            claimed.push((slot, key));
+        }
+        let store = &self.model.experts;
+        store.count_vram_evictions(evicted);
+        store.count_prefetch_outcome(0, wasted);
+        let experts: Vec<usize> = claimed.iter().map(|(_, key)| key.expert).collect();
+        let reads = store.request_prefetch(l, &experts)?;
+        self.prefetching = claimed
+            .into_iter()
+            .zip(reads)
+            .map(|((slot, key), read)| (slot, key, read))
+            .collect();
+        Ok(())
+    }
+
+    /// Uploads the prefetched experts as their reads arrive; a failed read frees its slot (the
+    /// layer then reads the expert itself, and reports the error if it fails again).
+    pub(super) fn finish_prefetch(&mut self) {
+        for (slot, key, read) in std::mem::take(&mut self.prefetching) {
+            let written = self
+                .model
+                .experts
+                .wait_prefetch(read)
+                .and_then(|expert| self.write_expert(slot, key.layer, key.expert, &expert));
+            let pool = self.pool.as_mut().expect("a layer was placed");
+            match written {
+                Ok(()) => {
+                    pool.slot_of.insert(key, slot);
+                    pool.prefetched[slot] = true;
+                }
+                Err(e) => {
+                    log::warn!("prefetch of layer {} expert {}: {e}", key.layer, key.expert);
+                    pool.owner[slot] = None;
+                }
+            }
+        }
+    }
+
+    /// Queues expert `e` of layer `l` (weights in `expert`) into cache slot `slot`.
+    fn write_expert(&self, slot: usize, l: usize, e: usize, expert: &ExpertData) -> Result<()> {
+        let started = Instant::now();
+        let (h, i) = (self.config.hidden_size, self.config.intermediate_size);
+        let (pool, layer) = (
+            self.pool.as_ref().expect("cached"),
+            &self.model.weights.layers[l],
+        );
+        let queue = &self.ctx.queue;
+        pool.gate_up.write_slot(queue, slot, &expert.gate_up)?;
+        pool.down.write_slot(queue, slot, &expert.down)?;
+        let gate_up_bias = &layer.gate_up_bias[e * 2 * i..(e + 1) * 2 * i];
+        let down_bias = &layer.down_bias[e * h..(e + 1) * h];
+        let biases = [
+            (&pool.gate_up_bias, slot * 2 * i, gate_up_bias),
+            (&pool.down_bias, slot * h, down_bias),
+        ];
+        for (buffer, first, values) in biases {
+            queue.write_buffer(buffer, (first * 4) as u64, bytemuck::cast_slice(values));
+        }
+        let bytes = expert.gate_up.expert_bytes()
+            + expert.down.expert_bytes()
+            + 4 * (gate_up_bias.len() + down_bias.len());
+        self.model.experts.count_upload(bytes as u64, started);
+        Ok(())
+    }
+
+    /// Whether the layer just placed left experts for the CPU tier.
+    pub(super) fn has_cpu_misses(&self) -> bool {
+        self.cpu_misses.is_some()
+    }
+
+    /// Computes the placed layer's CPU experts (while the GPU runs its hits, submitted before)
+    /// and queues their outputs into the rows of the down-projection buffer the GPU leaves
+    /// alone; the combine that follows adds every row in the canonical order.
+    pub(super) fn run_cpu_misses(&mut self) -> Result<()> {
+        let Some(misses) = self.cpu_misses.take() else {
+            return Ok(());
+        };
+        let started = Instant::now();
+        let (model, h, k) = (
+            self.model,
+            self.config.hidden_size,
+            self.config.experts_per_token,
+        );
+        let layer = &model.weights.layers[misses.layer];
+        let queue = &self.ctx.queue;
+        for (e, request) in misses.experts {
+            let expert: Arc<ExpertData> = model.experts.wait(request)?;
+            let pairs: Vec<usize> = (0..misses.ids.len())
+                .filter(|&p| misses.ids[p] as usize == e)
+                .collect();
+            let xs: Vec<f32> = pairs
+                .iter()
+                .flat_map(|&p| misses.x[(p / k) * h..(p / k + 1) * h].to_vec())
+                .collect();
+            let out = model.run_expert(layer, e, &expert, &xs);
+            for (row, &p) in out.chunks_exact(h).zip(&pairs) {
+                let offset = (p * h * 4) as u64;
+                queue.write_buffer(&self.act.down, offset, bytemuck::cast_slice(row));
+            }
+        }
+        crate::model::CpuTimings::add(&model.timings.experts_us, started);
+        self.counters.cpu_expert_us += started.elapsed().as_micros() as u64;
+        Ok(())
+    }
+
+    /// Adds the layer's expert counts to its placement record.
+    fn record_placement(&mut self, l: usize, placed: &Placed) {
+        let record = &mut self.placement[l];
+        record.vram_hits += placed.hits.len() as u64;
+        record.uploads += placed.uploads.len() as u64;
+        record.cpu_experts += placed.on_cpu.len() as u64;
+        record.experts = match (
+            record.vram_hits + record.uploads > 0,
+            record.cpu_experts > 0,
+        ) {
+            (true, true) => "gpu+cpu",
+            (false, true) => "cpu",
+            _ => "gpu",
+        };
+    }
+}
