@@ -80,7 +80,7 @@ struct ModelArgs {
     #[arg(long)]
     direct_io: bool,
     /// While a layer runs, guess the next layer's experts with its router and start reading
-    /// them into the RAM cache (never changes tokens).
+    /// them into the RAM cache, or into VRAM on the GPU tier (never changes tokens).
     #[arg(long, value_enum, default_value_t = OnOff::Off, value_name = "on|off")]
     prefetch: OnOff,
     /// What stands in for the next layer's MoE input: a (this layer's MoE input, earliest) or b
@@ -627,6 +627,7 @@ fn run(cli: Cli) -> Result<()> {
                     "text": harmony_text(&loaded.config, &out.generated_ids),
                 });
                 if stats {
+                    let load = session.gpu().map(|g| g.load_report());
                     let gpu = match (adapter, marks.as_slice()) {
                         (Some(a), [Some(prefill), Some(end)]) if ran_on == "gpu" => {
                             let per_token = |n: u64| {
@@ -640,6 +641,9 @@ fn run(cli: Cli) -> Result<()> {
                                 "readbacks_per_token": per_token(end.readbacks - prefill.readbacks),
                                 "prefill_submits": prefill.submits,
                                 "prefill_readbacks": prefill.readbacks,
+                                "cpu_expert_ms_per_token": per_token(end.cpu_expert_us - prefill.cpu_expert_us).map(|us| us / 1e3),
+                                "readback_wait_ms_per_token": per_token(end.readback_wait_us - prefill.readback_wait_us).map(|us| us / 1e3),
+                                "load": load,
                             })
                         }
                         _ => serde_json::Value::Null,

@@ -289,3 +289,55 @@ fn both_tiers_run_the_same_layer_ops() {
         "{attention:?}"
     );
 }
+
+/// A chat session on the GPU cuts its cache back to a kept prefix like the CPU tier's, and one
+/// whose device is lost mid-conversation goes on on the CPU tier with the same tokens.
+#[test]
+fn gpu_chat_sessions_truncate_and_survive_a_lost_device() {
+    use picchio::model::generate::{BackendChoice, SessionTier};
+    use picchio::model::sampler::{Sampler, SamplingOptions};
+    use picchio::model::session::ChatSession;
+    let dir = fixtures_dir().join("tiny-routed");
+    let model = Model::load(&dir).unwrap();
+    if gpu(None).is_none() {
+        return;
+    }
+    let tier = |backend| SessionTier {
+        backend,
+        gpu: gpu_options(),
+    };
+    let sampling = SamplingOptions {
+        temperature: 0.8,
+        top_p: 0.95,
+        seed: 7,
+        ..Default::default()
+    };
+    // Three turns: a prompt, a turn keeping part of it, a turn after the device is gone.
+    let converse = |session: &mut ChatSession, lose_device: bool| -> Vec<u32> {
+        let mut out = Vec::new();
+        for (turn, (keep, ids)) in [(0, vec![3, 1, 4, 1, 5]), (3, vec![9, 2]), (6, vec![6])]
+            .into_iter()
+            .enumerate()
+        {
+            if lose_device && turn == 2 {
+                session.tier().gpu().unwrap().ctx.device.destroy();
+            }
+            session.extend(keep, &ids).unwrap();
+            let mut sampler = Sampler::new(SamplingOptions {
+                seed: sampling.seed + turn as u64,
+                ..sampling
+            });
+            let (tokens, _) = session.generate(4, &mut sampler, &[], |_| true).unwrap();
+            out.extend(tokens);
+        }
+        out
+    };
+    let mut cpu = ChatSession::open(&model, &tier(BackendChoice::Cpu), 256).unwrap();
+    let mut gpu = ChatSession::open(&model, &tier(BackendChoice::Gpu), 256).unwrap();
+    assert_eq!(gpu.tier().backend(), "gpu");
+    let on_cpu = converse(&mut cpu, false);
+    let on_gpu = converse(&mut gpu, true);
+    assert_eq!(gpu.tier().backend(), "cpu", "the lost device handed over");
+    assert_eq!(on_gpu, on_cpu);
+    assert_eq!(gpu.position(), cpu.position());
+}

@@ -110,6 +110,8 @@ pub struct GpuContext {
     pub max_buffer_bytes: u64,
     pub max_workgroups_per_dimension: u32,
     pub pipelines: PipelineCache,
+    /// What weight uploads have queued (`upload`).
+    pub uploads: super::UploadMeter,
     lost: Arc<AtomicBool>,
 }
 
@@ -175,6 +177,7 @@ impl GpuContext {
         );
         Ok(GpuContext {
             pipelines: PipelineCache::default(),
+            uploads: Default::default(),
             device,
             queue,
             adapter: adapter_report,

@@ -9,6 +9,9 @@ pub mod pipelines;
 
 pub use context::{GpuContext, GpuOptions, list_adapters};
 
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use wgpu::util::DeviceExt;
 
 use crate::error::{Error, Result};
@@ -18,24 +21,105 @@ pub const STORAGE: wgpu::BufferUsages = wgpu::BufferUsages::STORAGE
     .union(wgpu::BufferUsages::COPY_SRC)
     .union(wgpu::BufferUsages::COPY_DST);
 
+/// Bytes of uploads queued before the device must take them: wgpu keeps a host staging copy of
+/// each queued write until the submission carrying it completes, so without a bound a model's
+/// load would hold a second copy of every weight in host memory.
+pub const STAGING_LIMIT_BYTES: u64 = 256 << 20;
+
+/// Largest single queued write of an upload.
+const UPLOAD_PIECE_BYTES: usize = 64 << 20;
+
+/// What uploads have queued: bytes since the device last took them, the most ever queued at
+/// once, the total, and a progress bar while a model loads.
+#[derive(Default)]
+pub struct UploadMeter {
+    staged: AtomicU64,
+    peak: AtomicU64,
+    total: AtomicU64,
+    progress: Mutex<Option<indicatif::ProgressBar>>,
+}
+
+impl UploadMeter {
+    /// Most bytes queued at once so far.
+    pub fn peak_staged_bytes(&self) -> u64 {
+        self.peak.load(Ordering::Relaxed)
+    }
+
+    /// Bytes uploaded so far.
+    pub fn total_bytes(&self) -> u64 {
+        self.total.load(Ordering::Relaxed)
+    }
+}
+
 impl GpuContext {
-    /// A storage buffer holding `bytes` (padded to a multiple of 4).
+    /// A storage buffer holding `bytes` (padded to a multiple of 4), written in pieces with the
+    /// host's staging copies bounded by `STAGING_LIMIT_BYTES`.
     pub fn upload(&self, label: &str, bytes: &[u8]) -> wgpu::Buffer {
-        let padded;
-        let contents = if bytes.len().is_multiple_of(4) && !bytes.is_empty() {
-            bytes
-        } else {
-            let mut v = bytes.to_vec();
-            v.resize(bytes.len().div_ceil(4).max(1) * 4, 0);
-            padded = v;
-            &padded
-        };
-        self.device
-            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some(label),
-                contents,
-                usage: STORAGE,
-            })
+        let size = (bytes.len().div_ceil(4).max(1) * 4) as u64;
+        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size,
+            usage: STORAGE,
+            mapped_at_creation: false,
+        });
+        let mut offset = 0;
+        for piece in bytes.chunks(UPLOAD_PIECE_BYTES) {
+            self.stage(piece.len() as u64);
+            if piece.len().is_multiple_of(4) {
+                self.queue.write_buffer(&buffer, offset, piece);
+            } else {
+                // The last piece only: the queue writes whole words.
+                let mut padded = piece.to_vec();
+                padded.resize(piece.len().div_ceil(4) * 4, 0);
+                self.queue.write_buffer(&buffer, offset, &padded);
+            }
+            offset += piece.len() as u64;
+        }
+        buffer
+    }
+
+    /// Counts `bytes` about to be queued, first letting the device take what is queued when they
+    /// would pass the staging limit.
+    fn stage(&self, bytes: u64) {
+        let meter = &self.uploads;
+        let staged = meter.staged.load(Ordering::Relaxed);
+        if staged > 0 && staged + bytes > STAGING_LIMIT_BYTES {
+            self.flush_uploads();
+        }
+        let staged = meter.staged.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        meter.peak.fetch_max(staged, Ordering::Relaxed);
+        meter.total.fetch_add(bytes, Ordering::Relaxed);
+        if let Some(bar) = &*meter.progress.lock().unwrap() {
+            bar.inc(bytes);
+        }
+    }
+
+    /// Submits the queued uploads and waits until the device took them (their staging copies are
+    /// freed then).
+    pub fn flush_uploads(&self) {
+        self.queue.submit([]);
+        if let Err(e) = self.device.poll(wgpu::PollType::wait_indefinitely()) {
+            log::warn!("waiting for uploads: {e}");
+        }
+        self.uploads.staged.store(0, Ordering::Relaxed);
+    }
+
+    /// Shows a progress bar (on a terminal) over the next `bytes` of uploads, until
+    /// `end_progress`.
+    pub fn start_progress(&self, what: &str, bytes: u64) {
+        let bar = indicatif::ProgressBar::new(bytes);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{msg} {bar:40} {bytes}/{total_bytes} {eta}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        bar.set_message(what.to_string());
+        *self.uploads.progress.lock().unwrap() = Some(bar);
+    }
+
+    pub fn end_progress(&self) {
+        if let Some(bar) = self.uploads.progress.lock().unwrap().take() {
+            bar.finish_and_clear();
+        }
     }
 
     pub fn upload_f32(&self, label: &str, values: &[f32]) -> wgpu::Buffer {

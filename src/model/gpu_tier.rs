@@ -115,6 +115,15 @@ pub struct LayerPlacement {
     pub cpu_experts: u64,
 }
 
+/// How loading a model onto the GPU went, for the stats.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct GpuLoad {
+    pub seconds: f64,
+    pub uploaded_bytes: u64,
+    /// Most bytes of uploads queued at once: the host staging copies wgpu held.
+    pub peak_staging_bytes: u64,
+}
+
 /// Submissions and host readbacks, counted for the stats.
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct GpuCounters {
@@ -264,6 +273,7 @@ pub struct GpuModel<'m> {
     /// Tokens in the last block run.
     last_block: usize,
     pub counters: GpuCounters,
+    load: GpuLoad,
     /// Submit and check every kernel on its own (`PICCHIO_GPU_DEBUG=1`).
     debug: bool,
 }
@@ -365,12 +375,34 @@ impl<'m> GpuModel<'m> {
                 "{mode} runs on the CPU tier only"
             )));
         }
+        let started = Instant::now();
         let device = ctx.device.clone();
+        ctx.start_progress("uploading weights to the GPU", model.weights.bytes() as u64);
         let mut gpu = catching_oom(&device, "the dense weights", || {
             Self::build(ctx, model, options)
         })?;
-        gpu.place_experts_in_vram()?;
+        let placed = gpu.place_experts_in_vram();
+        gpu.ctx.flush_uploads();
+        gpu.ctx.end_progress();
+        placed?;
+        let uploads = &gpu.ctx.uploads;
+        gpu.load = GpuLoad {
+            seconds: started.elapsed().as_secs_f64(),
+            uploaded_bytes: uploads.total_bytes(),
+            peak_staging_bytes: uploads.peak_staged_bytes(),
+        };
+        log::info!(
+            "{:.2} GB uploaded to the GPU in {:.1} s (at most {} MiB staged at once)",
+            gpu.load.uploaded_bytes as f64 / 1e9,
+            gpu.load.seconds,
+            gpu.load.peak_staging_bytes >> 20
+        );
         Ok(gpu)
+    }
+
+    /// How loading onto the GPU went.
+    pub fn load_report(&self) -> GpuLoad {
+        self.load
     }
 
     /// Uploads layer `l`'s dense weights (its experts come later).
@@ -569,6 +601,7 @@ impl<'m> GpuModel<'m> {
             len: 0,
             last_block: 0,
             counters: GpuCounters::default(),
+            load: GpuLoad::default(),
             debug: std::env::var("PICCHIO_GPU_DEBUG").is_ok_and(|v| v == "1"),
             ctx,
         };
@@ -1036,6 +1069,8 @@ impl<'m> GpuModel<'m> {
     /// Records the plan into one encoder per stretch between host actions: a placement (always:
     /// it reads the routing back) and CPU experts (when the layer left some to the CPU tier).
     fn run_plan(&mut self, plan: &[PlanStep], n: usize) -> Result<()> {
+        // Misses a failed block left are not this block's.
+        self.cpu_misses = None;
         let mut first = 0;
         for (i, step) in plan.iter().enumerate() {
             let acts = match step {
