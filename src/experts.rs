@@ -642,8 +642,8 @@ impl ExpertStore {
         };
         let mut layers = Vec::with_capacity(weights.layers.len());
         for (l, w) in weights.layers.iter().enumerate() {
-            let projection = |name: &str, m: &ExpertMatrices| -> Result<Projection> {
-                let prefix = format!("model.layers.{l}.mlp.experts.{name}");
+            let names = crate::arch::gpt_oss::layer_tensors(l);
+            let projection = |prefix: &str, m: &ExpertMatrices| -> Result<Projection> {
                 Ok(match m {
                     ExpertMatrices::Mxfp4(x) => Projection::Packed {
                         weights: part(entry(format!("{prefix}_blocks"))?, x.experts),
@@ -653,7 +653,7 @@ impl ExpertStore {
                         int4: false,
                     },
                     ExpertMatrices::Dense(d) => Projection::Dense {
-                        weights: part(entry(prefix)?, d.experts),
+                        weights: part(entry(prefix.to_string())?, d.experts),
                         inputs: d.inputs,
                         outputs: d.outputs,
                         format: d.format,
@@ -666,8 +666,8 @@ impl ExpertStore {
                 })
             };
             layers.push((
-                projection("gate_up_proj", &w.gate_up)?,
-                projection("down_proj", &w.down)?,
+                projection(&names.gate_up, &w.gate_up)?,
+                projection(&names.down, &w.down)?,
             ));
         }
         Ok((files, layers))

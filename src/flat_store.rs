@@ -15,6 +15,7 @@ use std::sync::Arc;
 use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
 
+use crate::arch::gpt_oss::is_expert_weight;
 use crate::config::Config;
 use crate::cpu::formats::{decode_floats, dequantize_mxfp4_row};
 use crate::error::{Error, Result};
@@ -355,22 +356,6 @@ pub struct ConvertReport {
     pub dense_tensors: usize,
     pub dense_bytes: u64,
     pub records_bytes: u64,
-}
-
-/// Names of the checkpoint tensors that hold expert weights (they go to the records).
-fn is_expert_weight(name: &str) -> bool {
-    let Some(rest) = name.split(".mlp.experts.").nth(1) else {
-        return false;
-    };
-    matches!(
-        rest,
-        "gate_up_proj"
-            | "down_proj"
-            | "gate_up_proj_blocks"
-            | "gate_up_proj_scales"
-            | "down_proj_blocks"
-            | "down_proj_scales"
-    )
 }
 
 /// Writes `out`: config files, the dense tensors as `model.safetensors`, the expert records and

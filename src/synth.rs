@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
 
+use crate::arch::gpt_oss;
 use crate::config::Config;
 use crate::error::{Error, Result};
 
@@ -92,93 +93,79 @@ fn plan(cfg: &Config) -> Vec<Planned> {
         content,
     };
     let mut tensors = vec![t(
-        "model.embed_tokens.weight".into(),
+        gpt_oss::EMBEDDINGS.into(),
         "BF16",
         vec![cfg.vocab_size, h],
         Content::Weights,
     )];
     for l in 0..cfg.num_layers {
-        let p = format!("model.layers.{l}");
-        let attention = format!("{p}.self_attn");
-        let experts = format!("{p}.mlp.experts");
-        tensors.push(t(
-            format!("{p}.input_layernorm.weight"),
-            "BF16",
-            vec![h],
-            Content::Ones,
-        ));
-        for (name, rows, cols) in [
-            ("q_proj", cfg.q_dim(), h),
-            ("k_proj", cfg.kv_dim(), h),
-            ("v_proj", cfg.kv_dim(), h),
-            ("o_proj", h, cfg.q_dim()),
+        let names = gpt_oss::layer_tensors(l);
+        tensors.push(t(names.input_norm.clone(), "BF16", vec![h], Content::Ones));
+        for (weight, bias, rows, cols) in [
+            (&names.q, &names.q_bias, cfg.q_dim(), h),
+            (&names.k, &names.k_bias, cfg.kv_dim(), h),
+            (&names.v, &names.v_bias, cfg.kv_dim(), h),
+            (&names.o, &names.o_bias, h, cfg.q_dim()),
         ] {
             tensors.push(t(
-                format!("{attention}.{name}.weight"),
+                weight.clone(),
                 "BF16",
                 vec![rows, cols],
                 Content::Weights,
             ));
-            tensors.push(t(
-                format!("{attention}.{name}.bias"),
-                "BF16",
-                vec![rows],
-                Content::Weights,
-            ));
+            tensors.push(t(bias.clone(), "BF16", vec![rows], Content::Weights));
         }
         tensors.push(t(
-            format!("{attention}.sinks"),
+            names.sinks.clone(),
             "BF16",
             vec![cfg.num_heads],
             Content::Zeros,
         ));
         tensors.push(t(
-            format!("{p}.post_attention_layernorm.weight"),
+            names.post_attention_norm.clone(),
             "BF16",
             vec![h],
             Content::Ones,
         ));
         tensors.push(t(
-            format!("{p}.mlp.router.weight"),
+            names.router.clone(),
             "BF16",
             vec![e, h],
             Content::Weights,
         ));
         tensors.push(t(
-            format!("{p}.mlp.router.bias"),
+            names.router_bias.clone(),
             "BF16",
             vec![e],
             Content::Weights,
         ));
-        for (name, rows, cols) in [("gate_up_proj", 2 * i, h), ("down_proj", h, i)] {
+        for (prefix, bias, rows, cols) in [
+            (&names.gate_up, &names.gate_up_bias, 2 * i, h),
+            (&names.down, &names.down_bias, h, i),
+        ] {
             tensors.push(t(
-                format!("{experts}.{name}_blocks"),
+                format!("{prefix}_blocks"),
                 "U8",
                 vec![e, rows, cols / 32, 16],
                 Content::RandomBytes,
             ));
             tensors.push(t(
-                format!("{experts}.{name}_scales"),
+                format!("{prefix}_scales"),
                 "U8",
                 vec![e, rows, cols / 32],
                 Content::Scales,
             ));
-            tensors.push(t(
-                format!("{experts}.{name}_bias"),
-                "BF16",
-                vec![e, rows],
-                Content::Weights,
-            ));
+            tensors.push(t(bias.clone(), "BF16", vec![e, rows], Content::Weights));
         }
     }
     tensors.push(t(
-        "model.norm.weight".into(),
+        gpt_oss::FINAL_NORM.into(),
         "BF16",
         vec![h],
         Content::Ones,
     ));
     tensors.push(t(
-        "lm_head.weight".into(),
+        gpt_oss::LM_HEAD.into(),
         "BF16",
         vec![cfg.vocab_size, h],
         Content::Weights,

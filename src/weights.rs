@@ -14,6 +14,7 @@ use std::sync::Arc;
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
+use crate::arch::gpt_oss;
 use crate::config::Config;
 use crate::error::{Error, Result};
 
@@ -889,17 +890,7 @@ pub enum TensorRole {
 }
 
 pub fn tensor_role(name: &str) -> TensorRole {
-    if name == "model.embed_tokens.weight" {
-        TensorRole::Embedding
-    } else if name == "lm_head.weight" {
-        TensorRole::LmHead
-    } else if name.contains(".mlp.experts.") {
-        TensorRole::Expert
-    } else if name.starts_with("model.layers.") || name == "model.norm.weight" {
-        TensorRole::Dense
-    } else {
-        TensorRole::Unknown
-    }
+    crate::arch::gpt_oss::tensor_role(name)
 }
 
 /// A short description of a tensor's storage format.
@@ -1118,7 +1109,7 @@ impl ModelWeights {
         }
         if dense {
             self.lm_head.data =
-                copy_bytes(&self.lm_head.data).map_err(|e| Error::io("lm_head.weight", e))?;
+                copy_bytes(&self.lm_head.data).map_err(|e| Error::io(gpt_oss::LM_HEAD, e))?;
         }
         Ok(copied.get())
     }
@@ -1228,50 +1219,50 @@ impl ModelWeights {
         let mut layers = Vec::new(); // grows as tensors are found: no trust in the config's count
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
         for l in 0..cfg.num_layers {
-            let p = format!("model.layers.{l}");
+            let names = gpt_oss::layer_tensors(l);
             let bias = |name: &str, len: usize| -> Result<Option<Vec<f32>>> {
                 if cfg.attention_bias {
-                    vector(&format!("{p}.self_attn.{name}.bias"), &[len]).map(Some)
+                    vector(name, &[len]).map(Some)
                 } else {
                     Ok(None)
                 }
             };
             layers.push(LayerWeights {
-                input_norm: vector(&format!("{p}.input_layernorm.weight"), &[h])?,
-                post_attention_norm: vector(&format!("{p}.post_attention_layernorm.weight"), &[h])?,
-                q: dense(&format!("{p}.self_attn.q_proj.weight"), qd, h)?,
-                k: dense(&format!("{p}.self_attn.k_proj.weight"), kvd, h)?,
-                v: dense(&format!("{p}.self_attn.v_proj.weight"), kvd, h)?,
-                o: dense(&format!("{p}.self_attn.o_proj.weight"), h, qd)?,
-                q_bias: bias("q_proj", qd)?,
-                k_bias: bias("k_proj", kvd)?,
-                v_bias: bias("v_proj", kvd)?,
-                o_bias: bias("o_proj", h)?,
-                sinks: vector(&format!("{p}.self_attn.sinks"), &[cfg.num_heads])?,
-                router: dense(&format!("{p}.mlp.router.weight"), e, h)?,
-                router_bias: vector(&format!("{p}.mlp.router.bias"), &[e])?,
+                input_norm: vector(&names.input_norm, &[h])?,
+                post_attention_norm: vector(&names.post_attention_norm, &[h])?,
+                q: dense(&names.q, qd, h)?,
+                k: dense(&names.k, kvd, h)?,
+                v: dense(&names.v, kvd, h)?,
+                o: dense(&names.o, h, qd)?,
+                q_bias: bias(&names.q_bias, qd)?,
+                k_bias: bias(&names.k_bias, kvd)?,
+                v_bias: bias(&names.v_bias, kvd)?,
+                o_bias: bias(&names.o_bias, h)?,
+                sinks: vector(&names.sinks, &[cfg.num_heads])?,
+                router: dense(&names.router, e, h)?,
+                router_bias: vector(&names.router_bias, &[e])?,
                 gate_up: match &flat {
                     Some(store) => store.projection(l, true),
-                    None => experts(&format!("{p}.mlp.experts.gate_up_proj"), 2 * i, h)?,
+                    None => experts(&names.gate_up, 2 * i, h)?,
                 },
-                gate_up_bias: vector(&format!("{p}.mlp.experts.gate_up_proj_bias"), &[e, 2 * i])?,
+                gate_up_bias: vector(&names.gate_up_bias, &[e, 2 * i])?,
                 down: match &flat {
                     Some(store) => store.projection(l, false),
-                    None => experts(&format!("{p}.mlp.experts.down_proj"), h, i)?,
+                    None => experts(&names.down, h, i)?,
                 },
-                down_bias: vector(&format!("{p}.mlp.experts.down_proj_bias"), &[e, h])?,
+                down_bias: vector(&names.down_bias, &[e, h])?,
             });
         }
-        let embeddings = dense("model.embed_tokens.weight", cfg.vocab_size, h)?;
-        let lm_head = if cfg.tie_word_embeddings && ck.get("lm_head.weight").is_none() {
+        let embeddings = dense(gpt_oss::EMBEDDINGS, cfg.vocab_size, h)?;
+        let lm_head = if cfg.tie_word_embeddings && ck.get(gpt_oss::LM_HEAD).is_none() {
             embeddings.clone()
         } else {
-            dense("lm_head.weight", cfg.vocab_size, h)?
+            dense(gpt_oss::LM_HEAD, cfg.vocab_size, h)?
         };
         Ok(ModelWeights {
             embeddings,
             layers,
-            final_norm: vector("model.norm.weight", &[h])?,
+            final_norm: vector(gpt_oss::FINAL_NORM, &[h])?,
             lm_head,
             flat,
         })

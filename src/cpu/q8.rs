@@ -159,19 +159,19 @@ impl Q8Weights {
             .iter()
             .enumerate()
             .map(|(l, w)| {
-                let name = |p: &str| format!("model.layers.{l}.self_attn.{p}_proj.weight");
+                let names = crate::arch::gpt_oss::layer_tensors(l);
                 Ok([
-                    convert(&w.q, name("q"))?,
-                    convert(&w.k, name("k"))?,
-                    convert(&w.v, name("v"))?,
-                    convert(&w.o, name("o"))?,
+                    convert(&w.q, names.q)?,
+                    convert(&w.k, names.k)?,
+                    convert(&w.v, names.v)?,
+                    convert(&w.o, names.o)?,
                 ])
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Q8Weights {
             layers,
-            lm_head: convert(&weights.lm_head, "lm_head.weight".into())?,
-            embeddings: convert(&weights.embeddings, "model.embed_tokens.weight".into())?,
+            lm_head: convert(&weights.lm_head, crate::arch::gpt_oss::LM_HEAD.into())?,
+            embeddings: convert(&weights.embeddings, crate::arch::gpt_oss::EMBEDDINGS.into())?,
         })
     }
 
