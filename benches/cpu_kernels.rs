@@ -107,7 +107,9 @@ fn kernels(c: &mut Criterion) {
             });
             // The layout the CPU tier gives experts at load where the CPU has a kernel for it
             // (AVX-512 VBMI): whole runs interleaved.
-            if let Some(interleaved) = w.interleaved_copy().expect("an interleaved copy") {
+            if let Some(interleaved) =
+                picchio::cpu::layout::interleaved_copy(&w).expect("an interleaved copy")
+            {
                 let interleaved_shape = shape.replace("mxfp4", "mxfp4_interleaved");
                 group.bench_function(BenchmarkId::new(interleaved_shape, tokens), |b| {
                     b.iter(|| mxfp4_matmul(&interleaved, 0, &x, None, &mut y))

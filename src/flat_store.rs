@@ -17,8 +17,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::arch::gpt_oss::is_expert_weight;
 use crate::config::Config;
-use crate::cpu::formats::{decode_floats, dequantize_mxfp4_row};
 use crate::error::{Error, Result};
+use crate::formats::{decode_floats, dequantize_mxfp4_row};
 use crate::weights::{
     Checkpoint, ExpertMatrices, ExpertStride, Int4Experts, ModelWeights, Mxfp4Experts, TensorBytes,
 };
@@ -459,7 +459,7 @@ mod tests {
         let (packed, scales) = quantize_int4(&values, 64);
         let mut out = vec![0f32; 64];
         for (g, chunk) in out.chunks_exact_mut(32).enumerate() {
-            crate::cpu::formats::dequantize_int4_row(
+            crate::formats::dequantize_int4_row(
                 &packed[g * 16..(g + 1) * 16],
                 &scales[g * 2..(g + 1) * 2],
                 chunk,

@@ -4,6 +4,7 @@
 //! - [`config`]: `config.json` mirrored with serde, every dimension read from it.
 //! - [`arch`]: model families as data: what each decoder layer computes.
 //! - [`weights`]: safetensors checkpoints (single or sharded) mapped with memmap2, L0 validation.
+//! - [`formats`]: decoding of the storage formats (bf16, f16, MXFP4, INT4) into f32.
 //! - [`cpu`]: the CPU tier's kernels, the reference for every other tier.
 //! - [`gpu`]: the GPU tier's device, pipelines and kernels (wgpu + WGSL).
 //! - [`model`]: the forward passes (CPU and GPU tiers), KV cache, sampler and generation loop.
@@ -19,6 +20,7 @@ pub mod cpu;
 pub mod error;
 pub mod experts;
 pub mod flat_store;
+pub mod formats;
 pub mod gpu;
 pub mod model;
 pub mod serve;

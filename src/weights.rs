@@ -659,7 +659,7 @@ pub struct Mxfp4Experts {
     pub scales: TensorBytes,
     pub stride: ExpertStride,
     /// Whether the whole runs of every row whose scales fold are interleaved for the CPU tier's
-    /// kernel (`cpu::simd::interleave_mxfp4_runs`); else the checkpoint's layout, which the GPU
+    /// kernel (`cpu::layout::interleaved_copy`); else the checkpoint's layout, which the GPU
     /// tier reads.
     pub interleaved: bool,
 }
@@ -700,35 +700,6 @@ impl Mxfp4Experts {
             stride: ExpertStride::Contiguous,
             interleaved: false,
         }
-    }
-
-    /// A copy in memory (huge pages) with every expert's whole runs interleaved for the CPU
-    /// tier's kernel (`cpu::simd::interleave_mxfp4_runs`); None where this process runs no kernel
-    /// over interleaved runs, or the experts do not lie one after the other.
-    pub fn interleaved_copy(&self) -> std::io::Result<Option<Mxfp4Experts>> {
-        use rayon::prelude::*;
-        let contiguous = matches!(self.stride, ExpertStride::Contiguous);
-        if self.interleaved || !contiguous || crate::cpu::simd::mxfp4_interleaved_dot().is_none() {
-            return Ok(None);
-        }
-        let scales = self.scales.copy_to_memory()?;
-        let groups = self.cols / 32;
-        // Every expert's rows lie back to back: interleaved in chunks of rows, in parallel.
-        const ROWS: usize = 1024;
-        let blocks = self.blocks.copy_to_memory_then(|bytes| {
-            bytes
-                .par_chunks_mut(ROWS * 16 * groups)
-                .zip(scales.bytes().par_chunks(ROWS * groups))
-                .for_each(|(packed, scales)| {
-                    crate::cpu::simd::interleave_mxfp4_runs(packed, scales, self.cols);
-                });
-        })?;
-        Ok(Some(Mxfp4Experts {
-            blocks,
-            scales,
-            interleaved: true,
-            ..self.clone()
-        }))
     }
 
     /// The packed bytes and scales of row `r` of expert `e`.
@@ -878,6 +849,11 @@ pub struct ModelWeights {
     /// (`picchio convert`); else they are the checkpoint's tensors.
     pub flat: Option<Arc<crate::flat_store::FlatExperts>>,
 }
+
+/// A tier's own layout of MXFP4 experts, made while they are copied into memory: the copy, or
+/// None to keep the checkpoint's layout. The reader knows no kernels; the tier that prefers a
+/// layout makes it (`cpu::layout::interleaved_copy`).
+pub type ExpertRelayout = dyn Fn(&Mxfp4Experts) -> std::io::Result<Option<Mxfp4Experts>> + Sync;
 
 /// What a tensor is, for `inspect` and byte accounting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1058,7 +1034,11 @@ impl ModelWeights {
     /// attention projections and the LM head; never the embeddings, read a row at a time) from
     /// the mapped checkpoint into huge-page memory, and drops the mapped pages. Returns the
     /// bytes copied. A converted expert store's experts stay mapped (they are read by record).
-    pub fn copy_to_memory(&mut self, dense: bool, interleave_experts: bool) -> Result<u64> {
+    pub fn copy_to_memory(
+        &mut self,
+        dense: bool,
+        relayout: Option<&ExpertRelayout>,
+    ) -> Result<u64> {
         let copied = std::cell::Cell::new(0u64);
         let copy_bytes = |t: &TensorBytes| {
             copied.set(copied.get() + t.bytes().len() as u64);
@@ -1088,13 +1068,13 @@ impl ModelWeights {
             }
             if copy_experts {
                 for m in [&mut layer.gate_up, &mut layer.down] {
-                    let interleaved = match &*m {
-                        ExpertMatrices::Mxfp4(x) if interleave_experts => {
-                            x.interleaved_copy().map_err(|e| Error::io(&what, e))?
+                    let relaid = match (&*m, relayout) {
+                        (ExpertMatrices::Mxfp4(x), Some(relayout)) => {
+                            relayout(x).map_err(|e| Error::io(&what, e))?
                         }
                         _ => None,
                     };
-                    *m = match interleaved {
+                    *m = match relaid {
                         Some(x) => {
                             let x = ExpertMatrices::Mxfp4(x);
                             copied.set(copied.get() + x.bytes() as u64);
@@ -1180,7 +1160,7 @@ impl ModelWeights {
         };
         let vector = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
             let entry = ck.require(name, &FloatFormat::DTYPES, shape)?;
-            Ok(crate::cpu::formats::decode_floats(
+            Ok(crate::formats::decode_floats(
                 FloatFormat::of(entry.dtype),
                 ck.bytes_of(entry).bytes(),
             ))

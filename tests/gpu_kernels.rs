@@ -592,7 +592,7 @@ fn embedding_add_and_argmax_match_cpu() {
             let ids = [7u32, 0, 49, 7];
             let want: Vec<f32> = ids
                 .iter()
-                .flat_map(|&i| cpu::formats::decode_floats(format, m.row(i as usize)))
+                .flat_map(|&i| picchio::formats::decode_floats(format, m.row(i as usize)))
                 .collect();
             let gm = GpuMatrix::upload(&ctx, "embed", &m).unwrap();
             let (ib, yb) = (

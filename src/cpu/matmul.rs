@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::formats::{FP4_VALUES, bf16_to_f32, e8m0_scale, f16_to_f32};
+use crate::formats::{FP4_VALUES, bf16_to_f32, e8m0_scale, f16_to_f32};
 use crate::weights::{
     DenseExperts, DenseMatrix, ExpertMatrices, FloatFormat, Int4Experts, Mxfp4Experts,
 };
@@ -550,7 +550,7 @@ pub fn expert_matmul(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::formats::dequantize_mxfp4_row;
+    use crate::formats::dequantize_mxfp4_row;
 
     #[test]
     fn mxfp4_dot_matches_dequantized_dot() {

@@ -5,7 +5,7 @@
 //! given row and input, so a batched call gives bit-identical results to one call per token.
 
 pub mod attention;
-pub mod formats;
+pub mod layout;
 pub mod machine;
 pub mod matmul;
 pub mod moe;

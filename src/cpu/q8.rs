@@ -6,9 +6,9 @@
 
 use rayon::prelude::*;
 
-use super::formats::f16_to_f32;
 use super::matmul::decode_at;
 use crate::error::{Error, Result};
+use crate::formats::f16_to_f32;
 use crate::weights::{DenseMatrix, TensorBytes};
 
 /// A dense matrix quantized to 8 bits per weight, one f16 scale per 32 consecutive inputs.

@@ -10,8 +10,8 @@
 //! The exact path stays the default and the reference: `picchio agree --expert-activations q8`
 //! reports how often this mode picks the same greedy token.
 
-use super::formats::e8m0_scale;
 use super::simd::{CpuKernels, RowBytes};
+use crate::formats::e8m0_scale;
 
 /// How the CPU tier multiplies MXFP4 experts with their inputs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
@@ -215,7 +215,7 @@ pub fn q8_kernel(kernels: CpuKernels) -> Q8Kernel {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cpu::formats::dequantize_mxfp4_row;
+    use crate::formats::dequantize_mxfp4_row;
 
     fn values(n: usize, seed: u32) -> Vec<f32> {
         let mut state = seed.wrapping_mul(2654435761).wrapping_add(1);

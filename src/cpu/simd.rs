@@ -949,7 +949,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{GroupFormat, TILE_GROUPS, TILE_ROWS};
-    use crate::cpu::formats::e8m0_scale;
+    use crate::formats::e8m0_scale;
     use crate::weights::FloatFormat;
 
     /// How far ahead of the bytes being read the kernels ask for the next ones: into L1 a little
@@ -1411,8 +1411,8 @@ mod x86_512 {
 
     use super::x86::{BF16, F16, F32, format_of, prefetch_ahead};
 
-    use crate::cpu::formats::FP4_VALUES;
     use crate::cpu::matmul::decode_at;
+    use crate::formats::FP4_VALUES;
     use crate::weights::FloatFormat;
 
     /// A mask of the first `n` (at most 16) lanes.
@@ -2462,7 +2462,7 @@ mod tests {
                 let bf16 = bf16_bytes(&values(n, 9));
                 let widened: Vec<u8> = bf16
                     .chunks_exact(2)
-                    .flat_map(|b| crate::cpu::formats::bf16_to_f32(b[0], b[1]).to_le_bytes())
+                    .flat_map(|b| crate::formats::bf16_to_f32(b[0], b[1]).to_le_bytes())
                     .collect();
                 let as_f16: Vec<u8> = [0u8, 0x3c, 0x00, 0xc0].repeat(n / 2); // 1.0, -2.0, ...
                 let as_f32: Vec<u8> = [1.0f32, -2.0]
@@ -2766,7 +2766,7 @@ mod tests {
                 let mut magnitude = 0f32;
                 for (g, s) in scales.iter().enumerate() {
                     let group: f32 = x[32 * g..32 * g + 32].iter().map(|v| v.abs()).sum();
-                    magnitude += 6.0 * group * crate::cpu::formats::e8m0_scale(*s);
+                    magnitude += 6.0 * group * crate::formats::e8m0_scale(*s);
                 }
                 let simd = packed(kernel, &blocks, scales, &x);
                 let scalar = dot_mxfp4_scalar(&blocks, scales, &x);

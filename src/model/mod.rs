@@ -275,7 +275,9 @@ impl Model {
             let interleave = options.interleave_experts
                 && options.expert_activations
                     == crate::cpu::q8_activations::ExpertActivations::Exact;
-            let bytes = weights.copy_to_memory(q8.is_none(), interleave)?;
+            let relayout: Option<&crate::weights::ExpertRelayout> =
+                interleave.then_some(&crate::cpu::layout::interleaved_copy);
+            let bytes = weights.copy_to_memory(q8.is_none(), relayout)?;
             log::info!(
                 "weights copied into memory ({:.2} GB) in {:.1} s{}",
                 bytes as f64 / 1e9,
@@ -434,10 +436,8 @@ impl Model {
         tokens
             .iter()
             .flat_map(|&id| {
-                let row = crate::cpu::formats::decode_floats(
-                    embeddings.format,
-                    embeddings.row(id as usize),
-                );
+                let row =
+                    crate::formats::decode_floats(embeddings.format, embeddings.row(id as usize));
                 // Where the table is a mapped file, drop the pages the row was read through: the
                 // OS may map a whole 2 MiB folio of the page cache for one 6 KB row, and a long
                 // prompt's rows, kept, would swell the process's resident memory. The rows stay

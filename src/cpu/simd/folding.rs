@@ -5,7 +5,7 @@
 //! sums with no per-group multiply. Rows with a scale too large for that decode the unscaled
 //! values and scale each group's sum instead.
 
-use crate::cpu::formats::{FP4_VALUES, e8m0_scale};
+use crate::formats::{FP4_VALUES, e8m0_scale};
 
 /// The smallest scale byte whose scaled weights are not all exact: 6 * 2^(253 - 127) overflows
 /// f32 (and bf16), while a scaled sum might not.

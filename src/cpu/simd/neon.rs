@@ -9,8 +9,8 @@ use std::arch::aarch64::*;
 pub(super) mod byte_tables;
 
 use super::{GroupFormat, TILE_GROUPS, TILE_ROWS};
-use crate::cpu::formats::{e8m0_scale, f16_to_f32};
 use crate::cpu::matmul::decode_at;
+use crate::formats::{e8m0_scale, f16_to_f32};
 use crate::weights::FloatFormat;
 
 /// Four f32 values of `format` at `p`, exactly.

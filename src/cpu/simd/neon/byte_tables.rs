@@ -24,7 +24,7 @@ use std::sync::OnceLock;
 
 use super::super::folding::{Row, UNSCALED, rows_side_by_side, scaled_bf16_bytes};
 use super::super::{TILE_GROUPS, TILE_ROWS};
-use crate::cpu::formats::e8m0_scale;
+use crate::formats::e8m0_scale;
 
 /// The low bytes and the high bytes of a scale's 16 scaled values (`scaled_bf16_bytes`), next
 /// to each other.
@@ -278,7 +278,7 @@ pub fn dot_mxfp4_rows(runs: [(&[u8], &[u8]); 2], x: &[f32], outs: [&mut [f32]; 2
 mod tests {
     use super::super::super::folding::FIRST_UNFOLDABLE_SCALE;
     use super::*;
-    use crate::cpu::formats::FP4_VALUES;
+    use crate::formats::FP4_VALUES;
 
     #[test]
     fn every_folding_scales_tables_hold_its_scaled_values_exactly() {

@@ -30,7 +30,7 @@ use std::sync::OnceLock;
 use super::super::folding::{Row, UNSCALED, rows_side_by_side, scaled_bf16};
 use super::super::{TILE_GROUPS, TILE_ROWS, evenly, filled};
 use super::prefetch_ahead;
-use crate::cpu::formats::e8m0_scale;
+use crate::formats::e8m0_scale;
 
 /// A 16-byte table in both lanes of a 256-bit register, aligned for one load.
 #[repr(C, align(32))]
@@ -667,7 +667,7 @@ pub unsafe fn dot_mxfp4_rows(runs: [(&[u8], &[u8]); 2], x: &[f32], outs: [&mut [
 mod tests {
     use super::super::super::folding::FIRST_UNFOLDABLE_SCALE;
     use super::*;
-    use crate::cpu::formats::FP4_VALUES;
+    use crate::formats::FP4_VALUES;
 
     #[test]
     fn every_folding_scales_table_holds_its_scaled_values_exactly() {

@@ -27,7 +27,7 @@ use std::sync::OnceLock;
 use super::super::folding::{folds, scaled_bf16};
 use super::super::x86::prefetch_ahead;
 use super::super::{TILE_GROUPS, TILE_ROWS};
-use crate::cpu::formats::{FP4_VALUES, e8m0_scale};
+use crate::formats::{FP4_VALUES, e8m0_scale};
 
 /// The 16 FP4 values times one scale, aligned for one vector load.
 #[repr(C, align(64))]
