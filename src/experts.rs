@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::flat_store::{FlatExperts, FlatFormat, ProjectionLayout, Span};
 use crate::weights::{
     Checkpoint, DenseExperts, ExpertMatrices, FloatFormat, Int4Experts, ModelWeights, Mxfp4Experts,
-    TensorBytes, TensorEntry,
+    TensorBytes,
 };
 
 /// One (layer, expert).
@@ -625,35 +625,35 @@ impl ExpertStore {
                     .map_err(|e| Error::io(p, e))
             })
             .collect::<Result<Vec<_>>>()?;
-        let entry = |name: String| -> Result<&TensorEntry> {
-            ck.get(&name).ok_or_else(|| Error::MissingTensor {
-                name,
-                dir: ck.dir().to_path_buf(),
-            })
-        };
-        let part = |e: &TensorEntry, experts: usize| {
-            let len = e.range.len() / experts;
-            Part {
-                file: e.shard,
-                offset: e.range.start as u64,
+        // Expert e of a projection at `e * len` bytes into its tensor, where the checkpoint
+        // reader found it.
+        let part = |t: &TensorBytes, experts: usize, l: usize| -> Result<Part> {
+            let place = t.origin().ok_or_else(|| {
+                Error::Unsupported(format!(
+                    "layer {l}: expert weights that are not in the checkpoint's files"
+                ))
+            })?;
+            let len = t.bytes().len() / experts;
+            Ok(Part {
+                file: place.shard,
+                offset: place.offset,
                 len,
                 stride: len as u64,
-            }
+            })
         };
         let mut layers = Vec::with_capacity(weights.layers.len());
         for (l, w) in weights.layers.iter().enumerate() {
-            let names = crate::arch::gpt_oss::layer_tensors(l);
-            let projection = |prefix: &str, m: &ExpertMatrices| -> Result<Projection> {
+            let projection = |m: &ExpertMatrices| -> Result<Projection> {
                 Ok(match m {
                     ExpertMatrices::Mxfp4(x) => Projection::Packed {
-                        weights: part(entry(format!("{prefix}_blocks"))?, x.experts),
-                        scales: part(entry(format!("{prefix}_scales"))?, x.experts),
+                        weights: part(&x.blocks, x.experts, l)?,
+                        scales: part(&x.scales, x.experts, l)?,
                         rows: x.rows,
                         cols: x.cols,
                         int4: false,
                     },
                     ExpertMatrices::Dense(d) => Projection::Dense {
-                        weights: part(entry(prefix.to_string())?, d.experts),
+                        weights: part(&d.data, d.experts, l)?,
                         inputs: d.inputs,
                         outputs: d.outputs,
                         format: d.format,
@@ -665,10 +665,7 @@ impl ExpertStore {
                     }
                 })
             };
-            layers.push((
-                projection(&names.gate_up, &w.gate_up)?,
-                projection(&names.down, &w.down)?,
-            ));
+            layers.push((projection(&w.gate_up)?, projection(&w.down)?));
         }
         Ok((files, layers))
     }

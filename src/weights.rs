@@ -46,6 +46,16 @@ pub struct Checkpoint {
 pub struct TensorBytes {
     backing: Backing,
     range: Range<usize>,
+    /// Where these bytes start in the checkpoint's shards, where they came from one (kept by
+    /// copies: the expert store reads experts there).
+    origin: Option<FilePlace>,
+}
+
+/// A position in a checkpoint's shard files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FilePlace {
+    pub shard: usize,
+    pub offset: u64,
 }
 
 #[derive(Clone)]
@@ -89,6 +99,7 @@ impl TensorBytes {
         TensorBytes {
             backing: Backing::Mapped(map),
             range,
+            origin: None,
         }
     }
 
@@ -97,6 +108,7 @@ impl TensorBytes {
         TensorBytes {
             backing: Backing::Pages(pages),
             range,
+            origin: None,
         }
     }
 
@@ -105,6 +117,7 @@ impl TensorBytes {
         TensorBytes {
             backing: Backing::Owned(buffer),
             range,
+            origin: None,
         }
     }
 
@@ -114,6 +127,10 @@ impl TensorBytes {
         TensorBytes {
             backing: self.backing.clone(),
             range: self.range.start + range.start..self.range.start + range.end,
+            origin: self.origin.map(|o| FilePlace {
+                offset: o.offset + range.start as u64,
+                ..o
+            }),
         }
     }
 
@@ -300,7 +317,10 @@ impl TensorBytes {
         Ok(parts
             .iter()
             .zip(starts)
-            .map(|(part, start)| whole.slice(start..start + part.range.len()))
+            .map(|(part, start)| TensorBytes {
+                origin: part.origin,
+                ..whole.slice(start..start + part.range.len())
+            })
             .collect())
     }
 
@@ -317,7 +337,13 @@ impl TensorBytes {
         (same_buffer && self.range.end == next.range.start).then(|| TensorBytes {
             backing: self.backing.clone(),
             range: self.range.start..next.range.end,
+            origin: None,
         })
+    }
+
+    /// Where these bytes start in the checkpoint's shards, if they came from there.
+    pub fn origin(&self) -> Option<FilePlace> {
+        self.origin
     }
 
     /// Bytes held in memory rather than in a checkpoint file (tests, benches, converted data).
@@ -325,6 +351,7 @@ impl TensorBytes {
         TensorBytes {
             range: 0..bytes.len(),
             backing: Backing::Owned(Arc::new(bytes)),
+            origin: None,
         }
     }
 }
@@ -352,6 +379,7 @@ pub fn freeze(buffer: memmap2::MmapMut) -> std::io::Result<TensorBytes> {
     Ok(TensorBytes {
         backing: Backing::Anonymous(Arc::new(buffer.make_read_only()?)),
         range: 0..len,
+        origin: None,
     })
 }
 
@@ -490,6 +518,10 @@ impl Checkpoint {
         TensorBytes {
             backing: Backing::Mapped(self.shards[entry.shard].map.clone()),
             range: entry.range.clone(),
+            origin: Some(FilePlace {
+                shard: entry.shard,
+                offset: entry.range.start as u64,
+            }),
         }
     }
 
