@@ -394,6 +394,11 @@ impl Session for FallbackSession<'_> {
         match (&mut self.gpu, &mut self.cpu) {
             (Some(gpu), _) => gpu.truncate(keep)?,
             (None, Some(cpu)) => cpu.truncate(keep)?,
+            // The CPU tier could not take over (its replay failed): an empty session can start
+            // again.
+            (None, None) if keep == 0 => {
+                self.cpu = Some(new_cpu_session(self.model, self.context, self.keep_all));
+            }
             (None, None) => {}
         }
         self.history.truncate(keep);

@@ -1038,7 +1038,6 @@ impl<'m> GpuModel<'m> {
         };
         self.plans.insert((n, head), plan);
         result?;
-        self.len += n;
         self.last_block = n;
         if let (None, Some(trace), None) = (&self.pool, &self.act.routing_trace, head) {
             // Blocks without a head have no readback of their own: count their routing here.
@@ -1061,16 +1060,26 @@ impl<'m> GpuModel<'m> {
                 .run_layers(cache, &mut hidden, layers, cpu_trace)?;
             cache.advance(n);
             self.cpu_last_hidden = hidden[(n - 1) * h..].to_vec();
+        } else if self.lm_head.is_none() {
+            // Every layer ran here but the head did not fit: the CPU tier's head needs the last
+            // position's residual.
+            let h = self.config.hidden_size;
+            let bytes = self.ctx.read_back(&self.act.hidden, (n * h * 4) as u64)?;
+            let hidden: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
+            self.counters.readbacks += 1;
+            self.cpu_last_hidden = hidden[(n - 1) * h..].to_vec();
         }
+        // Only now: the CPU tier's layers, when there are some, hold the block too.
+        self.len += n;
         Ok(())
     }
 
-    /// Records the plan's runs between expert placements into one encoder each.
     /// Records the plan into one encoder per stretch between host actions: a placement (always:
     /// it reads the routing back) and CPU experts (when the layer left some to the CPU tier).
     fn run_plan(&mut self, plan: &[PlanStep], n: usize) -> Result<()> {
-        // Misses a failed block left are not this block's.
+        // Misses and a guess a failed block left are not this block's.
         self.cpu_misses = None;
+        self.guess = None;
         let mut first = 0;
         for (i, step) in plan.iter().enumerate() {
             let acts = match step {

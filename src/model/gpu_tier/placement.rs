@@ -143,22 +143,12 @@ impl GpuModel<'_> {
             )));
         }
         let placed = self.assign_slots(l, &chosen, n)?;
-        let model = self.model;
-        // Every read starts before the first is awaited; each expert is used as it arrives.
-        let requests = model.experts.request(l, &placed.uploads)?;
-        let cpu_requests = model.experts.request(l, &placed.on_cpu)?;
-        // Behind this layer's reads: the guess for the next layer and its prefetch.
-        self.guess_next(l, &ids, &x)?;
-        for (&e, request) in placed.uploads.iter().zip(requests) {
-            let expert = model.experts.wait(request)?;
-            self.write_expert(placed.slot_of_expert[&e], l, e, &expert)?;
+        let filled = self.fill_slots(l, &ids, x, &placed);
+        if filled.is_err() {
+            // A slot whose expert was not written must not answer for it later.
+            self.release_unwritten(l, &placed.uploads);
         }
-        self.cpu_misses = (!placed.on_cpu.is_empty()).then(|| CpuMisses {
-            layer: l,
-            ids: ids.clone(),
-            x,
-            experts: placed.on_cpu.iter().copied().zip(cpu_requests).collect(),
-        });
+        filled?;
         self.used_slots.fill(false);
         for &slot in placed.slot_of_expert.values() {
             self.used_slots[slot] = true;
@@ -175,6 +165,52 @@ impl GpuModel<'_> {
         debug_assert_eq!(slots.len(), n * k);
         self.record_placement(l, &placed);
         Ok(())
+    }
+
+    /// Reads and uploads layer `l`'s misses into their slots (each slot answers for its expert
+    /// once written), starts the reads of its CPU experts, and guesses the next layer's experts
+    /// behind those reads.
+    fn fill_slots(&mut self, l: usize, ids: &[u32], x: Vec<f32>, placed: &Placed) -> Result<()> {
+        let model = self.model;
+        // Every read starts before the first is awaited; each expert is used as it arrives.
+        let requests = model.experts.request(l, &placed.uploads)?;
+        let cpu_requests = model.experts.request(l, &placed.on_cpu)?;
+        // Behind this layer's reads: the guess for the next layer and its prefetch.
+        self.guess_next(l, ids, &x)?;
+        for (&e, request) in placed.uploads.iter().zip(requests) {
+            let expert = model.experts.wait(request)?;
+            let slot = placed.slot_of_expert[&e];
+            self.write_expert(slot, l, e, &expert)?;
+            let key = ExpertKey {
+                layer: l,
+                expert: e,
+            };
+            self.pool
+                .as_mut()
+                .expect("cached")
+                .slot_of
+                .insert(key, slot);
+        }
+        self.cpu_misses = (!placed.on_cpu.is_empty()).then(|| CpuMisses {
+            layer: l,
+            ids: ids.to_vec(),
+            x,
+            experts: placed.on_cpu.iter().copied().zip(cpu_requests).collect(),
+        });
+        Ok(())
+    }
+
+    /// Frees the slots claimed for layer `l`'s `experts` that no written expert answers for.
+    fn release_unwritten(&mut self, l: usize, experts: &[usize]) {
+        let pool = self.pool.as_mut().expect("cached");
+        for &expert in experts {
+            let key = ExpertKey { layer: l, expert };
+            if !pool.slot_of.contains_key(&key)
+                && let Some(slot) = pool.owner.iter().position(|o| *o == Some(key))
+            {
+                pool.owner[slot] = None;
+            }
+        }
     }
 
     /// The routing ids (`[n, top_k]`) and MoE input (`[n, hidden]`) of the layer being placed.
@@ -234,7 +270,6 @@ impl GpuModel<'_> {
                 Some((slot, old)) => {
                     evicted += (old != Evicted::Nothing) as u64;
                     wasted += (old == Evicted::UnusedPrefetch) as u64 * record_bytes;
-                    pool.slot_of.insert(key, slot);
                     placed.slot_of_expert.insert(e, slot);
                     placed.uploads.push(e);
                 }
@@ -302,7 +337,16 @@ impl GpuModel<'_> {
         store.count_vram_evictions(evicted);
         store.count_prefetch_outcome(0, wasted);
         let experts: Vec<usize> = claimed.iter().map(|(_, key)| key.expert).collect();
-        let reads = store.request_prefetch(l, &experts)?;
+        let reads = match store.request_prefetch(l, &experts) {
+            Ok(reads) => reads,
+            Err(e) => {
+                let pool = self.pool.as_mut().expect("a layer was placed");
+                for (slot, _) in claimed {
+                    pool.owner[slot] = None;
+                }
+                return Err(e);
+            }
+        };
         self.prefetching = claimed
             .into_iter()
             .zip(reads)
