@@ -128,9 +128,9 @@ impl GpuMatrix {
             .into_iter()
             .map(|(first, rows)| {
                 let bytes = &m.data.bytes()[first * row_bytes..(first + rows) * row_bytes];
-                (first, rows, ctx.upload(name, bytes))
+                Ok((first, rows, ctx.try_upload(name, bytes)?))
             })
-            .collect();
+            .collect::<Result<_>>()?;
         Ok(GpuMatrix {
             rows: m.rows,
             cols: m.cols,
@@ -265,8 +265,8 @@ impl GpuExperts {
         let has_scales = layout.scale_bytes > 0;
         Self::build(ctx, name, layout, m.experts(), |first, n| {
             let upload = |w: &[u8], s: Option<&[u8]>| {
-                let scales = s.filter(|_| has_scales).map(|s| ctx.upload(name, s));
-                Ok((ctx.upload(name, w), scales))
+                let scales = s.filter(|_| has_scales).map(|s| ctx.try_upload(name, s));
+                Ok((ctx.try_upload(name, w)?, scales.transpose()?))
             };
             if let Some((w, s)) = m.expert_run(first..first + n) {
                 return upload(w, s);

@@ -53,29 +53,59 @@ impl UploadMeter {
 
 impl GpuContext {
     /// A storage buffer holding `bytes` (padded to a multiple of 4), written in pieces with the
-    /// host's staging copies bounded by `STAGING_LIMIT_BYTES`.
+    /// host's staging copies bounded by `STAGING_LIMIT_BYTES`. Where the device is out of
+    /// memory, wgpu reports it to the current error scope (or its handler).
     pub fn upload(&self, label: &str, bytes: &[u8]) -> wgpu::Buffer {
-        let size = (bytes.len().div_ceil(4).max(1) * 4) as u64;
-        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+        let buffer = self.storage_buffer(label, bytes.len());
+        self.write_pieces(&buffer, bytes);
+        buffer
+    }
+
+    /// `upload`, failing with a clear error (and writing nothing) where the buffer does not fit
+    /// in the device's memory: what loading a model uses, so that a budget of `auto` can try
+    /// fewer experts.
+    pub fn try_upload(&self, label: &str, bytes: &[u8]) -> Result<wgpu::Buffer> {
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let buffer = self.storage_buffer(label, bytes.len());
+        if let Some(error) = pollster::block_on(scope.pop()) {
+            return Err(Error::Gpu(format!(
+                "{label} ({} bytes) does not fit in GPU memory: {error}",
+                bytes.len()
+            )));
+        }
+        self.write_pieces(&buffer, bytes);
+        Ok(buffer)
+    }
+
+    pub fn try_upload_f32(&self, label: &str, values: &[f32]) -> Result<wgpu::Buffer> {
+        self.try_upload(label, bytemuck::cast_slice(values))
+    }
+
+    /// An unwritten storage buffer for `len` bytes (padded to a multiple of 4, at least 4).
+    fn storage_buffer(&self, label: &str, len: usize) -> wgpu::Buffer {
+        self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some(label),
-            size,
+            size: (len.div_ceil(4).max(1) * 4) as u64,
             usage: STORAGE,
             mapped_at_creation: false,
-        });
+        })
+    }
+
+    /// Queues `bytes` into `buffer` from its start, in pieces.
+    fn write_pieces(&self, buffer: &wgpu::Buffer, bytes: &[u8]) {
         let mut offset = 0;
         for piece in bytes.chunks(UPLOAD_PIECE_BYTES) {
             self.stage(piece.len() as u64);
             if piece.len().is_multiple_of(4) {
-                self.queue.write_buffer(&buffer, offset, piece);
+                self.queue.write_buffer(buffer, offset, piece);
             } else {
                 // The last piece only: the queue writes whole words.
                 let mut padded = piece.to_vec();
                 padded.resize(piece.len().div_ceil(4) * 4, 0);
-                self.queue.write_buffer(&buffer, offset, &padded);
+                self.queue.write_buffer(buffer, offset, &padded);
             }
             offset += piece.len() as u64;
         }
-        buffer
     }
 
     /// Counts `bytes` about to be queued, first letting the device take what is queued when they

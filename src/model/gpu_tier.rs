@@ -346,8 +346,8 @@ fn new_cpu_cache(cfg: &Config, options: &GpuTierOptions) -> super::KvCache {
     }
 }
 
-fn f32s(ctx: &GpuContext, label: &str, values: &[f32]) -> wgpu::Buffer {
-    ctx.upload_f32(label, values)
+fn f32s(ctx: &GpuContext, label: &str, values: &[f32]) -> Result<wgpu::Buffer> {
+    ctx.try_upload_f32(label, values)
 }
 
 /// Runs `operation` with out-of-memory errors caught; `what` names what did not fit.
@@ -412,21 +412,22 @@ impl<'m> GpuModel<'m> {
         w: &crate::weights::LayerWeights,
     ) -> Result<GpuLayer> {
         let name = |s: &str| format!("layer {l} {s}");
-        let optional = |b: &Option<Vec<f32>>, s: &str| b.as_ref().map(|v| f32s(ctx, &name(s), v));
+        let optional =
+            |b: &Option<Vec<f32>>, s: &str| b.as_ref().map(|v| f32s(ctx, &name(s), v)).transpose();
         Ok(GpuLayer {
-            input_norm: f32s(ctx, &name("input norm"), &w.input_norm),
-            post_attention_norm: f32s(ctx, &name("post norm"), &w.post_attention_norm),
+            input_norm: f32s(ctx, &name("input norm"), &w.input_norm)?,
+            post_attention_norm: f32s(ctx, &name("post norm"), &w.post_attention_norm)?,
             q: GpuMatrix::upload(ctx, &name("q"), &w.q)?,
             k: GpuMatrix::upload(ctx, &name("k"), &w.k)?,
             v: GpuMatrix::upload(ctx, &name("v"), &w.v)?,
             o: GpuMatrix::upload(ctx, &name("o"), &w.o)?,
-            q_bias: optional(&w.q_bias, "q bias"),
-            k_bias: optional(&w.k_bias, "k bias"),
-            v_bias: optional(&w.v_bias, "v bias"),
-            o_bias: optional(&w.o_bias, "o bias"),
-            sinks: f32s(ctx, &name("sinks"), &w.sinks),
+            q_bias: optional(&w.q_bias, "q bias")?,
+            k_bias: optional(&w.k_bias, "k bias")?,
+            v_bias: optional(&w.v_bias, "v bias")?,
+            o_bias: optional(&w.o_bias, "o bias")?,
+            sinks: f32s(ctx, &name("sinks"), &w.sinks)?,
             router: GpuMatrix::upload(ctx, &name("router"), &w.router)?,
-            router_bias: f32s(ctx, &name("router bias"), &w.router_bias),
+            router_bias: f32s(ctx, &name("router bias"), &w.router_bias)?,
             experts: None,
         })
     }
@@ -517,7 +518,7 @@ impl<'m> GpuModel<'m> {
                 cfg.num_layers
             );
         }
-        let final_norm = f32s(&ctx, "final norm", &weights.final_norm);
+        let final_norm = f32s(&ctx, "final norm", &weights.final_norm)?;
 
         let b = options.max_block;
         let (h, i, k) = (
@@ -703,9 +704,9 @@ impl<'m> GpuModel<'m> {
                 let name = |s: &str| format!("layer {l} {s}");
                 layer.experts = Some(ResidentExperts {
                     gate_up: GpuExperts::upload(ctx, &name("gate_up"), &w.gate_up)?,
-                    gate_up_bias: f32s(ctx, &name("gate_up bias"), &w.gate_up_bias),
+                    gate_up_bias: f32s(ctx, &name("gate_up bias"), &w.gate_up_bias)?,
                     down: GpuExperts::upload(ctx, &name("down"), &w.down)?,
-                    down_bias: f32s(ctx, &name("down bias"), &w.down_bias),
+                    down_bias: f32s(ctx, &name("down bias"), &w.down_bias)?,
                 });
             }
             Ok(())
