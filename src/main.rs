@@ -204,6 +204,7 @@ impl GpuArgs {
     fn tier(&self, backend: Backend) -> picchio::model::generate::SessionTier {
         picchio::model::generate::SessionTier {
             backend: backend.into(),
+            // The context is each session's own (`ChatSession::open`).
             gpu: self.options(0, 2),
         }
     }

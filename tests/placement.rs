@@ -8,8 +8,21 @@ use common::*;
 use picchio::Model;
 use picchio::experts::{RamBudget, VramBudget};
 use picchio::model::ModelOptions;
-use picchio::model::generate::{Session, generate_with};
-use picchio::model::gpu_tier::{GpuTierOptions, MissPolicy, vram_bytes_per_expert};
+use picchio::model::generate::{Generation, Session, generate_with};
+use picchio::model::gpu_tier::{GpuModel, GpuTierOptions, MissPolicy, vram_bytes_per_expert};
+
+/// `n` greedy tokens after `prompt` on the GPU tier over `model` with `options` (EOS ignored),
+/// and the session they ran on; None when there is no GPU.
+fn greedy_on_gpu<'m>(
+    model: &'m Model,
+    options: GpuTierOptions,
+    prompt: &[u32],
+    n: usize,
+) -> Option<(Generation, GpuModel<'m>)> {
+    let mut session = gpu_session(model, options)?;
+    let out = generate_with(&mut session, &model.config, prompt, &greedy_options(n)).unwrap();
+    Some((out, session))
+}
 
 /// A VRAM budget of `slots` cached experts of `model`.
 fn slots(model: &Model, slots: u64) -> VramBudget {
@@ -70,16 +83,10 @@ fn every_vram_budget_and_miss_policy_gives_transformers_tokens() {
                 miss_policy,
                 ..gpu_options()
             };
-            let Some(mut session) = gpu_session(&model, options) else {
+            let Some((out, session)) = greedy_on_gpu(&model, options, &reference.prompt_ids, 32)
+            else {
                 return;
             };
-            let out = generate_with(
-                &mut session,
-                &model.config,
-                &reference.prompt_ids,
-                &greedy_options(32),
-            )
-            .unwrap();
             let what = format!("{} ({name})", dir.display());
             assert_eq!(out.generated_ids, reference.generated_ids, "{what}");
 
@@ -155,16 +162,9 @@ fn prompt_blocks_with_a_vram_cache_give_the_same_tokens() {
             miss_policy: MissPolicy::Upload,
             ..gpu_options()
         };
-        let Some(mut session) = gpu_session(&model, options) else {
+        let Some((out, session)) = greedy_on_gpu(&model, options, &reference.prompt_ids, 8) else {
             return;
         };
-        let out = generate_with(
-            &mut session,
-            &model.config,
-            &reference.prompt_ids,
-            &greedy_options(8),
-        )
-        .unwrap();
         assert_eq!(
             out.generated_ids,
             reference.generated_ids[..8],
@@ -245,17 +245,11 @@ fn layers_split_between_the_gpu_and_the_cpu_give_transformers_tokens() {
                 gpu_layers: Some(gpu_layers),
                 ..gpu_options()
             };
-            let Some(mut session) = gpu_session(&model, options) else {
+            let Some((out, session)) = greedy_on_gpu(&model, options, &reference.prompt_ids, 32)
+            else {
                 return;
             };
             assert_eq!(session.gpu_layers(), gpu_layers);
-            let out = generate_with(
-                &mut session,
-                &model.config,
-                &reference.prompt_ids,
-                &greedy_options(32),
-            )
-            .unwrap();
             let what = format!("{} ({gpu_layers} GPU layers)", dir.display());
             assert_eq!(out.generated_ids, reference.generated_ids, "{what}");
             for p in session.placement() {
@@ -303,23 +297,19 @@ fn prefetch_never_changes_tokens_and_guesses_better_than_chance() {
                     vram_budget: VramBudget::Percent(25.0),
                     ..gpu_options()
                 };
-                let Some(mut session) = gpu_session(&model, options) else {
+                let Some((out, _)) = greedy_on_gpu(&model, options, &reference.prompt_ids, 32)
+                else {
                     return;
                 };
-                generate_with(
-                    &mut session,
-                    &model.config,
-                    &reference.prompt_ids,
-                    &greedy_options(32),
-                )
+                out
             } else {
                 picchio::model::generate::generate(
                     &model,
                     &reference.prompt_ids,
                     &greedy_options(32),
                 )
-            }
-            .unwrap();
+                .unwrap()
+            };
             assert_eq!(out.generated_ids, reference.generated_ids, "{what}");
             let s = model.experts.stats();
             assert_eq!(
@@ -380,16 +370,9 @@ fn prefetch_reaches_vram_without_a_ram_cache() {
             vram_budget: VramBudget::Percent(25.0),
             ..gpu_options()
         };
-        let Some(mut session) = gpu_session(&model, options) else {
+        let Some((out, session)) = greedy_on_gpu(&model, options, &reference.prompt_ids, 32) else {
             return;
         };
-        let out = generate_with(
-            &mut session,
-            &model.config,
-            &reference.prompt_ids,
-            &greedy_options(32),
-        )
-        .unwrap();
         assert_eq!(
             out.generated_ids, reference.generated_ids,
             "prefetch {enabled}"

@@ -279,7 +279,8 @@ pub enum BackendChoice {
     Auto,
 }
 
-/// Where sessions run: the tier choice and the GPU tier's options.
+/// Where sessions run: the tier choice and the GPU tier's options (their `context` aside: each
+/// session sets its own).
 #[derive(Debug, Clone)]
 pub struct SessionTier {
     pub backend: BackendChoice,

@@ -35,6 +35,10 @@ pub(super) struct ExpertPool {
     /// Slots a prefetch filled that no layer has used since.
     pub prefetched: Vec<bool>,
     pub clock: u64,
+    /// Experts `claim` evicted, and of those the prefetched ones nobody used, not yet counted
+    /// in the store's statistics (`GpuModel::count_claims`).
+    evicted: u64,
+    evicted_unused_prefetches: u64,
 }
 
 impl ExpertPool {
@@ -55,6 +59,8 @@ impl ExpertPool {
             last_used: vec![0; slots],
             prefetched: vec![false; slots],
             clock: 0,
+            evicted: 0,
+            evicted_unused_prefetches: 0,
         }
     }
 
@@ -63,9 +69,8 @@ impl ExpertPool {
     }
 
     /// A slot for `key`: a free one, else (when `evict`) the least recently used one not used at
-    /// `now` (the current layer's experts stay). Returns the slot and whether it held an expert
-    /// that a prefetch brought and nobody used.
-    fn claim(&mut self, key: ExpertKey, evict: bool, now: u64) -> Option<(usize, Evicted)> {
+    /// `now` (the current layer's experts stay), counting what it evicts.
+    fn claim(&mut self, key: ExpertKey, evict: bool, now: u64) -> Option<usize> {
         let slot = match self.owner.iter().position(Option::is_none) {
             Some(free) => free,
             None if evict => (0..self.slots())
@@ -73,27 +78,14 @@ impl ExpertPool {
                 .min_by_key(|&s| self.last_used[s])?,
             None => return None,
         };
-        let evicted = match self.owner[slot].replace(key) {
-            Some(old) => {
-                self.slot_of.remove(&old);
-                match std::mem::take(&mut self.prefetched[slot]) {
-                    true => Evicted::UnusedPrefetch,
-                    false => Evicted::Used,
-                }
-            }
-            None => Evicted::Nothing,
-        };
+        if let Some(old) = self.owner[slot].replace(key) {
+            self.slot_of.remove(&old);
+            self.evicted += 1;
+            self.evicted_unused_prefetches += std::mem::take(&mut self.prefetched[slot]) as u64;
+        }
         self.last_used[slot] = now;
-        Some((slot, evicted))
+        Some(slot)
     }
-}
-
-/// What a claimed slot held before.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Evicted {
-    Nothing,
-    Used,
-    UnusedPrefetch,
 }
 
 /// Routing ids (`[n, top_k]`) as per-position routings (without weights), for scoring guesses.
@@ -232,7 +224,6 @@ impl GpuModel<'_> {
             MissPolicy::Cpu => false,
             MissPolicy::Auto => n > 1,
         };
-        let record_bytes = self.model.experts.expert_bytes();
         let pool = self
             .pool
             .as_mut()
@@ -245,7 +236,7 @@ impl GpuModel<'_> {
             uploads: Vec::new(),
             on_cpu: Vec::new(),
         };
-        let (mut prefetch_used, mut wasted, mut evicted) = (0, 0, 0);
+        let mut prefetch_used = 0;
         for &e in chosen {
             let key = ExpertKey {
                 layer: l,
@@ -267,9 +258,7 @@ impl GpuModel<'_> {
                 expert: e,
             };
             match pool.claim(key, evict, now) {
-                Some((slot, old)) => {
-                    evicted += (old != Evicted::Nothing) as u64;
-                    wasted += (old == Evicted::UnusedPrefetch) as u64 * record_bytes;
+                Some(slot) => {
                     placed.slot_of_expert.insert(e, slot);
                     placed.uploads.push(e);
                 }
@@ -278,9 +267,20 @@ impl GpuModel<'_> {
         }
         let store = &self.model.experts;
         store.count_vram_hits(l, &placed.hits);
-        store.count_vram_evictions(evicted);
-        store.count_prefetch_outcome(prefetch_used, wasted);
+        store.count_prefetch_outcome(prefetch_used, 0);
+        self.count_claims();
         Ok(placed)
+    }
+
+    /// Adds the evictions the cache's claims made since the last call to the store's statistics.
+    fn count_claims(&mut self) {
+        let record_bytes = self.model.experts.expert_bytes();
+        let pool = self.pool.as_mut().expect("cached");
+        let evicted = std::mem::take(&mut pool.evicted);
+        let wasted = std::mem::take(&mut pool.evicted_unused_prefetches);
+        let store = &self.model.experts;
+        store.count_vram_evictions(evicted);
+        store.count_prefetch_outcome(0, wasted * record_bytes);
     }
 
     /// Scores the guess made at the layer before, then guesses layer `l + 1`'s experts from this
@@ -311,13 +311,12 @@ impl GpuModel<'_> {
     /// free) and starts reading it.
     fn prefetch(&mut self, l: usize, guess: &[Vec<usize>]) -> Result<()> {
         let evict = self.options.miss_policy != MissPolicy::Cpu;
-        let record_bytes = self.model.experts.expert_bytes();
         let pool = self.pool.as_mut().expect("a layer was placed");
         let mut wanted: Vec<usize> = guess.iter().flatten().copied().collect();
         wanted.sort_unstable();
         wanted.dedup();
         let now = pool.clock;
-        let (mut claimed, mut evicted, mut wasted) = (Vec::new(), 0, 0);
+        let mut claimed = Vec::new();
         for e in wanted {
             let key = ExpertKey {
                 layer: l,
@@ -326,16 +325,13 @@ impl GpuModel<'_> {
             if pool.slot_of.contains_key(&key) {
                 continue;
             }
-            let Some((slot, old)) = pool.claim(key, evict, now) else {
+            let Some(slot) = pool.claim(key, evict, now) else {
                 break;
             };
-            evicted += (old != Evicted::Nothing) as u64;
-            wasted += (old == Evicted::UnusedPrefetch) as u64 * record_bytes;
             claimed.push((slot, key));
         }
+        self.count_claims();
         let store = &self.model.experts;
-        store.count_vram_evictions(evicted);
-        store.count_prefetch_outcome(0, wasted);
         let experts: Vec<usize> = claimed.iter().map(|(_, key)| key.expert).collect();
         let reads = match store.request_prefetch(l, &experts) {
             Ok(reads) => reads,
