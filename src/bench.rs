@@ -8,9 +8,7 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::experts::{ExpertStats, RamBudget, VramBudget};
-use crate::model::generate::{
-    BackendChoice, GenerateOptions, Session, generate_observed, open_session,
-};
+use crate::model::generate::{BackendChoice, GenerateOptions, Runtime, Session, generate_observed};
 use crate::model::gpu_tier::{GpuTierOptions, MissPolicy, vram_bytes_per_expert};
 use crate::model::{Model, ModelOptions};
 
@@ -348,7 +346,9 @@ pub fn run_bench(
             miss_policy: options.miss_policy,
             ..Default::default()
         };
-        let mut session = open_session(&model, options.backend, &gpu_options)?;
+        // One upload of the weights for this run's sessions (the long prefill opens its own).
+        let runtime = Runtime::open(&model, options.backend, &gpu_options)?;
+        let mut session = runtime.session(context, false)?;
         let generate_options = GenerateOptions {
             max_new_tokens: options.gen_tokens,
             top_logits: 0,
@@ -425,7 +425,11 @@ pub fn run_bench(
         // The limit of the memory this run's weights live in.
         let limit = bandwidth.map(|b| b[usize::from(model.weights_in_memory)].bytes_per_s);
         let prefill_512_tokens_per_s = if options.roofline {
-            Some(long_prefill_tokens_per_s(&model, options, vram_budget)?)
+            Some(long_prefill_tokens_per_s(
+                &runtime,
+                model.config.vocab_size,
+                options.seed,
+            )?)
         } else {
             None
         };
@@ -501,28 +505,15 @@ pub fn run_bench(
     Ok(runs)
 }
 
-/// Prefill speed of a `LONG_PROMPT_TOKENS` prompt on `model` (already warm), on a fresh session.
-fn long_prefill_tokens_per_s(
-    model: &Model,
-    options: &BenchOptions,
-    vram_budget: VramBudget,
-) -> Result<f64> {
-    let ids = prompt(
-        LONG_PROMPT_TOKENS,
-        model.config.vocab_size,
-        options.seed.wrapping_add(1),
-    );
+/// Prefill speed of a `LONG_PROMPT_TOKENS` prompt (ids drawn from `seed`) on a fresh session of
+/// `runtime` (its model already warm).
+fn long_prefill_tokens_per_s(runtime: &Runtime, vocab: usize, seed: u64) -> Result<f64> {
+    let ids = prompt(LONG_PROMPT_TOKENS, vocab, seed.wrapping_add(1));
     let context = LONG_PROMPT_TOKENS + 1;
-    let gpu_options = GpuTierOptions {
-        context,
-        vram_budget,
-        miss_policy: options.miss_policy,
-        ..Default::default()
-    };
-    let mut session = open_session(model, options.backend, &gpu_options)?;
+    let mut session = runtime.session(context, false)?;
     let out = generate_observed(
         &mut session,
-        &model.config,
+        &runtime.model().config,
         &ids,
         &GenerateOptions {
             max_new_tokens: 1,
@@ -672,7 +663,9 @@ mod tests {
             context: prompt.len() + 2 * tokens,
             ..Default::default()
         };
-        let session = || open_session(&model, BackendChoice::Cpu, &gpu_options).unwrap();
+        let session = || {
+            crate::model::generate::open_session(&model, BackendChoice::Cpu, &gpu_options).unwrap()
+        };
         let whole = {
             let mut s = session();
             generate_observed(

@@ -316,6 +316,10 @@ enum Command {
     Ab {
         #[command(flatten)]
         prompt: PromptArgs,
+        /// The tier compared with the CPU tier's reference run: gpu, auto (the GPU when there is
+        /// one) or cpu (the CPU tier as chat sessions run it, its cache keeping every position).
+        #[arg(long, value_enum, default_value_t = Backend::Auto)]
+        backend: Backend,
         /// Print one JSON object instead of text.
         #[arg(long)]
         json: bool,
@@ -584,7 +588,7 @@ fn run(cli: Cli) -> Result<()> {
             validate_prompt(&loaded.config, ids, context)?;
             let gpu_options = prompt.gpu_options(context, top_logits);
             let mut session = open_session(&loaded, backend.into(), &gpu_options)?;
-            let adapter = session.gpu().map(|g| g.ctx.adapter.clone());
+            let adapter = session.gpu().map(|g| g.ctx().adapter.clone());
             let options = GenerateOptions {
                 max_new_tokens,
                 top_logits,
@@ -704,7 +708,11 @@ fn run(cli: Cli) -> Result<()> {
             }
             Ok(())
         }
-        Command::Ab { prompt, json } => ab(&prompt, json),
+        Command::Ab {
+            prompt,
+            backend,
+            json,
+        } => ab(&prompt, backend, json),
         Command::Inspect { model, json } => inspect(&model, json),
         Command::Devices { json } => devices(json),
         Command::Bench {
@@ -933,18 +941,20 @@ fn resolve_context(model: &Model, context: Option<usize>) -> Result<usize> {
 }
 
 /// `picchio ab`: both tiers on the same prompt; non-zero exit on any disagreement.
-fn ab(prompt: &PromptArgs, json: bool) -> Result<()> {
-    let model = prompt.load()?;
+fn ab(prompt: &PromptArgs, backend: Backend, json: bool) -> Result<()> {
+    let model = prompt.load_for(backend.into())?;
     let context = resolve_context(&model, prompt.context)?;
     let report = picchio::model::ab::compare_tiers(
         &model,
         &prompt.prompt_ids(),
         prompt.max_new_tokens,
+        backend.into(),
         &prompt.gpu_options(context, 0),
     )?;
     if json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
+        println!("tier under test: {}", report.backend);
         println!("adapter: {} ({})", report.adapter, report.adapter_backend);
         println!(
             "tokens agreeing: {} of {}",
@@ -952,8 +962,8 @@ fn ab(prompt: &PromptArgs, json: bool) -> Result<()> {
         );
         match &report.first_divergence {
             Some(d) => println!(
-                "first divergence: step {}, cpu {} vs gpu {} (cpu top1-top2 margin {})",
-                d.step, d.cpu_id, d.gpu_id, d.margin
+                "first divergence: step {}, cpu {} vs {} {} (cpu top1-top2 margin {})",
+                d.step, d.cpu_id, report.backend, d.gpu_id, d.margin
             ),
             None => println!("first divergence: none"),
         }
@@ -969,7 +979,10 @@ fn ab(prompt: &PromptArgs, json: bool) -> Result<()> {
         }
     }
     if !report.agree() {
-        bail!("the CPU and GPU tiers disagree");
+        bail!(
+            "the CPU tier and the tier under test ({}) disagree",
+            report.backend
+        );
     }
     Ok(())
 }

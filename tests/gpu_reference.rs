@@ -74,29 +74,35 @@ fn gpu_greedy_tokens_and_logits_match_transformers() {
     }
 }
 
+/// `ab` against the GPU tier and against the CPU tier as sessions run it (every position kept).
 #[test]
 fn ab_reports_full_agreement() {
+    use picchio::model::generate::BackendChoice;
     for dir in fixture_dirs() {
         if gpu(None).is_none() {
             return;
         }
         let model = Model::load(&dir).unwrap();
         let reference = reference(&dir);
-        let report = compare_tiers(
-            &model,
-            &reference.prompt_ids,
-            32,
-            &GpuTierOptions::default(),
-        )
-        .unwrap();
-        assert!(report.agree(), "{}: {report:?}", dir.display());
-        assert_eq!(report.tokens_agreeing, 32);
-        assert_eq!(report.gpu_ids, reference.generated_ids);
-        assert!(
-            report.max_logit_difference <= LOGIT_ATOL,
-            "{}",
-            report.max_logit_difference
-        );
+        for (choice, tested) in [(BackendChoice::Gpu, "gpu"), (BackendChoice::Cpu, "cpu")] {
+            let report = compare_tiers(
+                &model,
+                &reference.prompt_ids,
+                32,
+                choice,
+                &GpuTierOptions::default(),
+            )
+            .unwrap();
+            assert_eq!(report.backend, tested);
+            assert!(report.agree(), "{}: {report:?}", dir.display());
+            assert_eq!(report.tokens_agreeing, 32);
+            assert_eq!(report.gpu_ids, reference.generated_ids);
+            assert!(
+                report.max_logit_difference <= LOGIT_ATOL,
+                "{}",
+                report.max_logit_difference
+            );
+        }
     }
 }
 
@@ -156,7 +162,7 @@ fn lost_device_falls_back_to_the_cpu_tier() {
         ids.push(step.id);
         if i == 10 {
             // What a driver reset looks like to wgpu.
-            session.gpu().unwrap().ctx.device.destroy();
+            session.gpu().unwrap().ctx().device.destroy();
         }
         if i < 31 {
             step = session.feed(&[step.id], 0).unwrap();
@@ -320,7 +326,7 @@ fn gpu_chat_sessions_truncate_and_survive_a_lost_device() {
             .enumerate()
         {
             if lose_device && turn == 2 {
-                session.tier().gpu().unwrap().ctx.device.destroy();
+                session.tier().gpu().unwrap().ctx().device.destroy();
             }
             session.extend(keep, &ids).unwrap();
             let mut sampler = Sampler::new(SamplingOptions {
@@ -340,4 +346,71 @@ fn gpu_chat_sessions_truncate_and_survive_a_lost_device() {
     assert_eq!(gpu.tier().backend(), "cpu", "the lost device handed over");
     assert_eq!(on_gpu, on_cpu);
     assert_eq!(gpu.position(), cpu.position());
+}
+
+/// Sessions opened in one runtime share the weights uploaded once (and, with a VRAM cache, its
+/// slots), yet each keeps its own cache: two conversations run side by side on two threads give
+/// the tokens each gives alone on the CPU tier.
+#[test]
+fn sessions_of_one_runtime_share_the_weights_and_keep_their_own_caches() {
+    use picchio::experts::VramBudget;
+    use picchio::model::generate::{BackendChoice, Runtime};
+    use picchio::model::gpu_tier::MissPolicy;
+    use picchio::model::sampler::{Sampler, SamplingOptions};
+    use picchio::model::session::ChatSession;
+    let dir = fixtures_dir().join("tiny-routed");
+    let model = Model::load(&dir).unwrap();
+    if gpu(None).is_none() {
+        return;
+    }
+    let converse = |session: &mut ChatSession, first: u32| -> Vec<u32> {
+        let mut out = Vec::new();
+        let turns = [(0, vec![first, 1, 4, 1, 5]), (3, vec![9, 2]), (6, vec![6])];
+        for (turn, (keep, ids)) in turns.into_iter().enumerate() {
+            session.extend(keep, &ids).unwrap();
+            let mut sampler = Sampler::new(SamplingOptions {
+                temperature: 0.8,
+                seed: turn as u64,
+                ..Default::default()
+            });
+            let (tokens, _) = session.generate(5, &mut sampler, &[], |_| true).unwrap();
+            out.extend(tokens);
+        }
+        out
+    };
+    let cpu = Runtime::open(&model, BackendChoice::Cpu, &gpu_options()).unwrap();
+    let alone: Vec<Vec<u32>> = [3, 7]
+        .map(|first| converse(&mut ChatSession::in_runtime(&cpu, 256).unwrap(), first))
+        .into();
+    for vram_budget in [VramBudget::Auto, VramBudget::Percent(25.0)] {
+        let options = GpuTierOptions {
+            vram_budget,
+            miss_policy: MissPolicy::Upload,
+            ..gpu_options()
+        };
+        let runtime = Runtime::open(&model, BackendChoice::Gpu, &options).unwrap();
+        let weights = runtime.gpu().expect("on the GPU");
+        let uploaded = weights.ctx.uploads.total_bytes();
+        let mut sessions: Vec<ChatSession> = (0..2)
+            .map(|_| ChatSession::in_runtime(&runtime, 256).unwrap())
+            .collect();
+        assert_eq!(
+            weights.ctx.uploads.total_bytes(),
+            uploaded,
+            "no second upload"
+        );
+        for session in &sessions {
+            let on = session.tier().gpu().expect("a GPU session").weights();
+            assert!(std::sync::Arc::ptr_eq(on, weights));
+        }
+        let side_by_side: Vec<Vec<u32>> = std::thread::scope(|scope| {
+            let runs: Vec<_> = sessions
+                .iter_mut()
+                .zip([3, 7])
+                .map(|(session, first)| scope.spawn(move || converse(session, first)))
+                .collect();
+            runs.into_iter().map(|run| run.join().unwrap()).collect()
+        });
+        assert_eq!(side_by_side, alone, "{vram_budget:?}");
+    }
 }

@@ -4,11 +4,30 @@ use std::collections::BTreeSet;
 
 use serde::Serialize;
 
-use super::Model;
-use super::generate::{CpuSession, GenerateOptions, generate_with, validate_prompt};
+use std::sync::Arc;
+
+use super::generate::{
+    BackendChoice, CpuSession, GenerateOptions, Generation, Runtime, generate_with, validate_prompt,
+};
 use super::gpu_tier::{GpuModel, GpuTierOptions};
+use super::{KvCache, LayerTrace, Model};
 use crate::error::Result;
-use crate::gpu::{GpuContext, GpuOptions};
+
+/// The tier under test's side: what it is, its routing of the prompt and its greedy run.
+struct Tested {
+    backend: &'static str,
+    adapter: String,
+    adapter_backend: String,
+    /// `[layer][position][slot]` expert ids.
+    routing: Vec<Vec<Vec<u32>>>,
+    run: Generation,
+}
+
+/// One layer's routing of every position, as ids.
+fn routing_ids(layer: &LayerTrace) -> Vec<Vec<u32>> {
+    let ids = |r: &crate::cpu::moe::Routing| r.experts.iter().map(|&e| e as u32).collect();
+    layer.routings.iter().map(ids).collect()
+}
 
 /// Logits compared per step.
 const TOP: usize = 10;
@@ -30,8 +49,12 @@ pub struct RouterAgreement {
     pub agreeing: usize,
 }
 
+/// The CPU tier's reference run against the tier under test: `gpu_ids` and the GPU's side of
+/// every comparison are that tier's, whichever it is (`backend`).
 #[derive(Debug, Clone, Serialize)]
 pub struct AbReport {
+    /// The tier under test: "gpu", or "cpu" (the CPU tier as sessions run it).
+    pub backend: &'static str,
     pub adapter: String,
     pub adapter_backend: String,
     pub steps: usize,
@@ -56,33 +79,68 @@ impl AbReport {
     }
 }
 
-/// Runs both tiers greedily for `max_new_tokens` (EOS ignored) and compares them; the GPU tier
-/// runs with `gpu` (its context applies to both, its top-logits count is the report's).
+/// Runs the CPU tier and the tier `choice` opens (`Runtime::open`) greedily for
+/// `max_new_tokens` (EOS ignored) and compares them. The tier under test runs with `gpu` (its
+/// context applies to both, its top-logits count is the report's); on the CPU tier it runs as
+/// chat sessions do, its cache keeping every position, against the reference's ring cache.
 pub fn compare_tiers(
     model: &Model,
     prompt: &[u32],
     max_new_tokens: usize,
+    choice: BackendChoice,
     gpu: &GpuTierOptions,
 ) -> Result<AbReport> {
     let context = gpu.context;
     validate_prompt(&model.config, prompt, context)?;
-    let ctx = GpuContext::new(&GpuOptions::from_env())?;
-    let adapter = ctx.adapter.clone();
     let options = GpuTierOptions {
         top_logits: TOP,
         ..gpu.clone()
     };
-    let mut gpu = GpuModel::new(ctx, model, options)?;
-
-    // Routing of every prompt position, layer by layer.
-    let gpu_routing = gpu.trace_routing(prompt)?;
-    gpu.reset();
+    let runtime = Runtime::open(model, choice, &options)?;
+    let generate_options = GenerateOptions {
+        max_new_tokens,
+        top_logits: TOP,
+        stop_at_eos: false,
+        context,
+    };
+    let tested = match runtime.gpu() {
+        Some(weights) => {
+            let mut gpu = GpuModel::on(Arc::clone(weights), options)?;
+            // Routing of every prompt position, layer by layer.
+            let routing = gpu.trace_routing(prompt)?;
+            gpu.reset();
+            let run = generate_with(&mut gpu, &model.config, prompt, &generate_options)?;
+            let adapter = &weights.ctx.adapter;
+            Tested {
+                backend: "gpu",
+                adapter: adapter.name.clone(),
+                adapter_backend: adapter.backend.clone(),
+                routing,
+                run,
+            }
+        }
+        None => {
+            let mut cache = KvCache::keeping_all(&model.config, context);
+            let mut trace = Vec::new();
+            model.forward(&mut cache, prompt, Some(&mut trace))?;
+            let mut session = CpuSession::keeping_all(model, context);
+            let run = generate_with(&mut session, &model.config, prompt, &generate_options)?;
+            Tested {
+                backend: "cpu",
+                adapter: format!("CPU tier ({} kernels)", crate::cpu::simd::kernels().name()),
+                adapter_backend: "cpu".into(),
+                routing: trace.iter().map(routing_ids).collect(),
+                run,
+            }
+        }
+    };
     let mut cache = model.new_cache(context);
     let mut trace = Vec::new();
     model.forward(&mut cache, prompt, Some(&mut trace))?;
+    let gpu_routing = &tested.routing;
     let router_agreement = trace
         .iter()
-        .zip(&gpu_routing)
+        .zip(gpu_routing)
         .enumerate()
         .map(|(layer, (cpu, gpu))| {
             let agreeing = cpu
@@ -103,19 +161,13 @@ pub fn compare_tiers(
         })
         .collect();
 
-    let generate_options = GenerateOptions {
-        max_new_tokens,
-        top_logits: TOP,
-        stop_at_eos: false,
-        context,
-    };
     let cpu_run = generate_with(
         &mut CpuSession::new(model, context),
         &model.config,
         prompt,
         &generate_options,
     )?;
-    let gpu_run = generate_with(&mut gpu, &model.config, prompt, &generate_options)?;
+    let gpu_run = tested.run;
 
     let steps = cpu_run.steps.len().min(gpu_run.steps.len());
     let tokens_agreeing = (0..steps)
@@ -136,8 +188,9 @@ pub fn compare_tiers(
         }
     }
     Ok(AbReport {
-        adapter: adapter.name,
-        adapter_backend: adapter.backend,
+        backend: tested.backend,
+        adapter: tested.adapter,
+        adapter_backend: tested.adapter_backend,
         steps,
         tokens_agreeing,
         cpu_ids: cpu_run.generated_ids,

@@ -1,8 +1,9 @@
 //! Greedy generation: batched prefill of the prompt, then one token at a time.
 
+use std::sync::Arc;
 use std::time::Instant;
 
-use super::gpu_tier::{GpuCounters, GpuModel, GpuTierOptions, LayerPlacement};
+use super::gpu_tier::{GpuCounters, GpuModel, GpuTierOptions, GpuWeights, LayerPlacement};
 use super::sampler::{argmax, top_k};
 use super::{KvCache, Model};
 use crate::config::Config;
@@ -297,44 +298,105 @@ impl SessionTier {
     }
 }
 
-/// Opens a session on the chosen tier (`gpu.context` and `gpu.top_logits` apply to both).
-/// `Gpu` fails with a clear error when there is no usable adapter or the dense weights do not
-/// fit; `Auto` then runs on the CPU and says why in the log.
+/// Where a process runs its sessions: the CPU tier, or the GPU with the model's weights
+/// uploaded once and shared by every session opened here.
+pub struct Runtime<'m> {
+    model: &'m Model,
+    /// The weights on the GPU, when sessions run there.
+    gpu: Option<Arc<GpuWeights<'m>>>,
+    choice: BackendChoice,
+    /// The GPU tier's options for every session (each sets its own context and cache layout).
+    options: GpuTierOptions,
+}
+
+impl<'m> Runtime<'m> {
+    /// Uploads the model to the GPU when `choice` asks for it and says at start-up which tier
+    /// runs. `Gpu` fails with a clear error when there is no usable adapter or the dense weights
+    /// do not fit; `Auto` then runs on the CPU and says why in the log.
+    pub fn open(model: &'m Model, choice: BackendChoice, options: &GpuTierOptions) -> Result<Self> {
+        let cpu = || Runtime {
+            model,
+            gpu: None,
+            choice,
+            options: options.clone(),
+        };
+        if choice == BackendChoice::Cpu {
+            return Ok(cpu());
+        }
+        if let Some(mode) = model.cpu_only_mode() {
+            if choice == BackendChoice::Gpu {
+                return Err(Error::InvalidArgument(format!(
+                    "{mode} runs on the CPU tier only (use --backend cpu or auto)"
+                )));
+            }
+            log::info!("running on the CPU tier ({mode} is CPU-only)");
+            return Ok(cpu());
+        }
+        let weights = crate::gpu::GpuContext::new(&crate::gpu::GpuOptions::from_env())
+            .and_then(|ctx| GpuWeights::load(ctx, model, options));
+        match (weights, choice) {
+            (Ok(weights), _) => {
+                let adapter = &weights.ctx.adapter;
+                log::info!("running on the GPU: {} ({})", adapter.name, adapter.backend);
+                Ok(Runtime {
+                    gpu: Some(Arc::new(weights)),
+                    ..cpu()
+                })
+            }
+            (Err(e), BackendChoice::Auto) => {
+                log::info!("running on the CPU tier ({e})");
+                Ok(cpu())
+            }
+            (Err(e), _) => Err(e),
+        }
+    }
+
+    pub fn model(&self) -> &'m Model {
+        self.model
+    }
+
+    /// The weights on the GPU, when sessions run there.
+    pub fn gpu(&self) -> Option<&Arc<GpuWeights<'m>>> {
+        self.gpu.as_ref()
+    }
+
+    /// A new empty session of at most `context` positions; with `keep_all`, caches that can be
+    /// cut back anywhere. On the GPU it shares the weights with every other session of this
+    /// runtime; a device lost since, or one without room for the session's own buffers, gives a
+    /// CPU session unless the runtime was opened with `Gpu`.
+    pub fn session(&self, context: usize, keep_all: bool) -> Result<FallbackSession<'m>> {
+        let Some(weights) = &self.gpu else {
+            return Ok(FallbackSession::cpu(self.model, context, keep_all));
+        };
+        let options = GpuTierOptions {
+            context,
+            keep_all_positions: keep_all,
+            ..self.options.clone()
+        };
+        let gpu = if weights.ctx.is_lost() {
+            Err(Error::Gpu("the GPU device was lost".into()))
+        } else {
+            GpuModel::on(Arc::clone(weights), options)
+        };
+        match (gpu, self.choice) {
+            (Ok(gpu), _) => Ok(FallbackSession::new(self.model, gpu, context)),
+            (Err(e), BackendChoice::Auto) => {
+                log::warn!("GPU: {e}; this session runs on the CPU tier");
+                Ok(FallbackSession::cpu(self.model, context, keep_all))
+            }
+            (Err(e), _) => Err(e),
+        }
+    }
+}
+
+/// Opens a session on the chosen tier (`gpu.context` and `gpu.top_logits` apply to both):
+/// a runtime of its own (`Runtime::open`) with one session.
 pub fn open_session<'a>(
     model: &'a Model,
     choice: BackendChoice,
     gpu: &GpuTierOptions,
 ) -> Result<FallbackSession<'a>> {
-    let (context, keep_all) = (gpu.context, gpu.keep_all_positions);
-    if choice == BackendChoice::Cpu {
-        return Ok(FallbackSession::cpu(model, context, keep_all));
-    }
-    if let Some(mode) = model.cpu_only_mode() {
-        if choice == BackendChoice::Gpu {
-            return Err(crate::error::Error::InvalidArgument(format!(
-                "{mode} runs on the CPU tier only (use --backend cpu or auto)"
-            )));
-        }
-        log::info!("running on the CPU tier ({mode} is CPU-only)");
-        return Ok(FallbackSession::cpu(model, context, keep_all));
-    }
-    let gpu = crate::gpu::GpuContext::new(&crate::gpu::GpuOptions::from_env())
-        .and_then(|ctx| GpuModel::new(ctx, model, gpu.clone()));
-    match (gpu, choice) {
-        (Ok(gpu), _) => {
-            log::info!(
-                "running on the GPU: {} ({})",
-                gpu.ctx.adapter.name,
-                gpu.ctx.adapter.backend
-            );
-            Ok(FallbackSession::new(model, gpu, context))
-        }
-        (Err(e), BackendChoice::Auto) => {
-            log::info!("running on the CPU tier ({e})");
-            Ok(FallbackSession::cpu(model, context, keep_all))
-        }
-        (Err(e), _) => Err(e),
-    }
+    Runtime::open(model, choice, gpu)?.session(gpu.context, gpu.keep_all_positions)
 }
 
 /// Prompt tokens the GPU tier runs per block.

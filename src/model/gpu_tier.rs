@@ -12,22 +12,25 @@
 //! the order of the sum.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
 
 mod placement;
 mod plan;
+mod weights;
 
-use placement::{CpuMisses, ExpertPool};
+use placement::{CpuMisses, SlotTable};
+use weights::catching_oom;
+pub use weights::{GpuWeights, vram_bytes_per_expert};
 
 use super::Model;
 use super::generate::{Step, validate_tokens};
 use crate::config::Config;
-use crate::cpu::rope::RopeTable;
 use crate::error::{Error, Result};
 use crate::experts::{ExpertKey, VramBudget};
 use crate::gpu::GpuContext;
 use crate::gpu::kernels::{
-    Dispatch, GpuExperts, GpuMatrix, MAX_GPU_TOP_LOGITS, prepare_rms_norm, prepare_top_k,
+    Dispatch, GpuExperts, MAX_GPU_TOP_LOGITS, prepare_rms_norm, prepare_top_k,
 };
 
 /// What the GPU tier does with an expert its VRAM cache does not hold.
@@ -136,40 +139,6 @@ pub struct GpuCounters {
     pub readback_wait_us: u64,
 }
 
-struct GpuLayer {
-    input_norm: wgpu::Buffer,
-    post_attention_norm: wgpu::Buffer,
-    q: GpuMatrix,
-    k: GpuMatrix,
-    v: GpuMatrix,
-    o: GpuMatrix,
-    q_bias: Option<wgpu::Buffer>,
-    k_bias: Option<wgpu::Buffer>,
-    v_bias: Option<wgpu::Buffer>,
-    o_bias: Option<wgpu::Buffer>,
-    sinks: wgpu::Buffer,
-    router: GpuMatrix,
-    router_bias: wgpu::Buffer,
-    /// The layer's experts, when every expert is resident (else the model's `ExpertPool`).
-    experts: Option<ResidentExperts>,
-}
-
-/// Every expert of a layer, with its biases (`[experts, rows]`).
-struct ResidentExperts {
-    gate_up: GpuExperts,
-    gate_up_bias: wgpu::Buffer,
-    down: GpuExperts,
-    down_bias: wgpu::Buffer,
-}
-
-/// Bytes one cached expert takes in VRAM: weights, scales and f32 biases of both projections.
-pub fn vram_bytes_per_expert(model: &Model) -> u64 {
-    let (cfg, first) = (&model.config, &model.weights.layers[0]);
-    let per = |m: &crate::weights::ExpertMatrices| m.bytes() / m.experts().max(1);
-    (per(&first.gate_up) + per(&first.down) + 4 * (2 * cfg.intermediate_size + cfg.hidden_size))
-        as u64
-}
-
 /// Activation buffers, sized for `max_block` tokens.
 struct Activations {
     step: wgpu::Buffer,
@@ -236,14 +205,13 @@ struct KvBuffers {
     capacity: usize,
 }
 
-/// A model on the GPU, with its KV cache.
+/// A session on the GPU: its KV cache, activations and plans over weights it may share with
+/// the process's other sessions.
 pub struct GpuModel<'m> {
-    pub ctx: GpuContext,
+    weights: Arc<GpuWeights<'m>>,
     /// The CPU tier's model: the expert store that fills the VRAM cache, and the CPU's expert
     /// kernels for misses.
     model: &'m Model,
-    /// The VRAM expert cache, when not every expert is resident.
-    pool: Option<ExpertPool>,
     /// Cache slots the layer being run placed an expert in.
     used_slots: Vec<bool>,
     /// The next layer's experts as guessed from this layer's MoE input (VRAM cache only).
@@ -254,13 +222,7 @@ pub struct GpuModel<'m> {
     cpu_misses: Option<CpuMisses>,
     placement: Vec<LayerPlacement>,
     config: Config,
-    rope: RopeTable,
     options: GpuTierOptions,
-    layers: Vec<GpuLayer>,
-    embeddings: GpuMatrix,
-    /// The head, when the GPU runs every layer and holds it.
-    lm_head: Option<GpuMatrix>,
-    final_norm: wgpu::Buffer,
     act: Activations,
     /// KV cache of the layers the CPU tier runs after the GPU's, and the last position's
     /// residual for the CPU's head.
@@ -273,7 +235,6 @@ pub struct GpuModel<'m> {
     /// Tokens in the last block run.
     last_block: usize,
     pub counters: GpuCounters,
-    load: GpuLoad,
     /// Submit and check every kernel on its own (`PICCHIO_GPU_DEBUG=1`).
     debug: bool,
 }
@@ -337,6 +298,13 @@ fn add_experts(
     }
 }
 
+/// The VRAM cache's slot table, which a plan that places experts needs.
+fn cache_table<'t>(table: &'t mut Option<&mut SlotTable>) -> Result<&'t mut SlotTable> {
+    table
+        .as_deref_mut()
+        .ok_or_else(|| Error::Gpu("no VRAM expert cache".into()))
+}
+
 /// The KV cache of the layers the CPU tier runs after the GPU's.
 fn new_cpu_cache(cfg: &Config, options: &GpuTierOptions) -> super::KvCache {
     if options.keep_all_positions {
@@ -346,94 +314,40 @@ fn new_cpu_cache(cfg: &Config, options: &GpuTierOptions) -> super::KvCache {
     }
 }
 
-fn f32s(ctx: &GpuContext, label: &str, values: &[f32]) -> Result<wgpu::Buffer> {
-    ctx.try_upload_f32(label, values)
-}
-
-/// Runs `operation` with out-of-memory errors caught; `what` names what did not fit.
-fn catching_oom<T>(
-    device: &wgpu::Device,
-    what: &str,
-    operation: impl FnOnce() -> Result<T>,
-) -> Result<T> {
-    let scope = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-    let result = operation();
-    match (pollster::block_on(scope.pop()), result) {
-        (Some(error), _) => Err(Error::Gpu(format!(
-            "{what} do not fit in GPU memory: {error}"
-        ))),
-        (None, result) => result,
-    }
-}
-
 impl<'m> GpuModel<'m> {
-    /// Uploads the dense weights, then the experts: all of them, or a VRAM cache of as many as
-    /// the budget allows. Fails (without panicking) when the dense weights do not fit.
+    /// Uploads the model's weights (`GpuWeights::load`) and opens a session on them alone.
     pub fn new(ctx: GpuContext, model: &'m Model, options: GpuTierOptions) -> Result<GpuModel<'m>> {
-        if let Some(mode) = model.cpu_only_mode() {
-            return Err(crate::error::Error::InvalidArgument(format!(
-                "{mode} runs on the CPU tier only"
-            )));
-        }
-        let started = Instant::now();
-        let device = ctx.device.clone();
-        ctx.start_progress("uploading weights to the GPU", model.weights.bytes() as u64);
-        let mut gpu = catching_oom(&device, "the dense weights", || {
-            Self::build(ctx, model, options)
-        })?;
-        let placed = gpu.place_experts_in_vram();
-        gpu.ctx.flush_uploads();
-        gpu.ctx.end_progress();
-        placed?;
-        let uploads = &gpu.ctx.uploads;
-        gpu.load = GpuLoad {
-            seconds: started.elapsed().as_secs_f64(),
-            uploaded_bytes: uploads.total_bytes(),
-            peak_staging_bytes: uploads.peak_staged_bytes(),
-        };
-        log::info!(
-            "{:.2} GB uploaded to the GPU in {:.1} s (at most {} MiB staged at once)",
-            gpu.load.uploaded_bytes as f64 / 1e9,
-            gpu.load.seconds,
-            gpu.load.peak_staging_bytes >> 20
-        );
-        Ok(gpu)
+        let weights = GpuWeights::load(ctx, model, &options)?;
+        GpuModel::on(Arc::new(weights), options)
     }
 
-    /// How loading onto the GPU went.
-    pub fn load_report(&self) -> GpuLoad {
-        self.load
-    }
-
-    /// Uploads layer `l`'s dense weights (its experts come later).
-    fn upload_layer(
-        ctx: &GpuContext,
-        l: usize,
-        w: &crate::weights::LayerWeights,
-    ) -> Result<GpuLayer> {
-        let name = |s: &str| format!("layer {l} {s}");
-        let optional =
-            |b: &Option<Vec<f32>>, s: &str| b.as_ref().map(|v| f32s(ctx, &name(s), v)).transpose();
-        Ok(GpuLayer {
-            input_norm: f32s(ctx, &name("input norm"), &w.input_norm)?,
-            post_attention_norm: f32s(ctx, &name("post norm"), &w.post_attention_norm)?,
-            q: GpuMatrix::upload(ctx, &name("q"), &w.q)?,
-            k: GpuMatrix::upload(ctx, &name("k"), &w.k)?,
-            v: GpuMatrix::upload(ctx, &name("v"), &w.v)?,
-            o: GpuMatrix::upload(ctx, &name("o"), &w.o)?,
-            q_bias: optional(&w.q_bias, "q bias")?,
-            k_bias: optional(&w.k_bias, "k bias")?,
-            v_bias: optional(&w.v_bias, "v bias")?,
-            o_bias: optional(&w.o_bias, "o bias")?,
-            sinks: f32s(ctx, &name("sinks"), &w.sinks)?,
-            router: GpuMatrix::upload(ctx, &name("router"), &w.router)?,
-            router_bias: f32s(ctx, &name("router bias"), &w.router_bias)?,
-            experts: None,
+    /// An empty session on `weights`, which it shares with every other session on them (their
+    /// `vram_budget` and `gpu_layers` decided what they hold; `options` says the rest).
+    pub fn on(weights: Arc<GpuWeights<'m>>, options: GpuTierOptions) -> Result<GpuModel<'m>> {
+        let device = weights.ctx.device.clone();
+        catching_oom(&device, "a session's activations and KV cache", || {
+            Self::open(weights, options)
         })
     }
 
-    fn build(ctx: GpuContext, model: &'m Model, options: GpuTierOptions) -> Result<GpuModel<'m>> {
-        let (cfg, weights) = (&model.config, &model.weights);
+    /// The weights this session runs on.
+    pub fn weights(&self) -> &Arc<GpuWeights<'m>> {
+        &self.weights
+    }
+
+    /// The device this session runs on.
+    pub fn ctx(&self) -> &GpuContext {
+        &self.weights.ctx
+    }
+
+    /// How loading the weights onto the GPU went.
+    pub fn load_report(&self) -> GpuLoad {
+        self.weights.load_report()
+    }
+
+    fn open(weights: Arc<GpuWeights<'m>>, options: GpuTierOptions) -> Result<GpuModel<'m>> {
+        let model = weights.model;
+        let cfg = &model.config;
         if options.top_logits > MAX_GPU_TOP_LOGITS {
             return Err(Error::InvalidArgument(format!(
                 "the GPU reports at most {MAX_GPU_TOP_LOGITS} logits per step ({} asked); use --backend cpu for more",
@@ -445,81 +359,7 @@ impl<'m> GpuModel<'m> {
             max_block: options.max_block.max(1),
             ..options
         };
-        // Dense weights first: the embeddings, then layer by layer while they fit (a software
-        // adapter's memory is the host's: half of what is available; a GPU says when it is out
-        // of memory), then the head if every layer fit.
-        let dense_of = |w: &crate::weights::LayerWeights| -> u64 {
-            [&w.q, &w.k, &w.v, &w.o, &w.router]
-                .iter()
-                .map(|m| m.data.bytes().len() as u64)
-                .sum()
-        };
-        let mut room = match crate::experts::available_memory_bytes() {
-            Some(a) if ctx.adapter.device_type == "Cpu" => a / 2,
-            _ => u64::MAX,
-        };
-        let mut take = |bytes: u64| -> bool {
-            let fits = bytes <= room;
-            room = room.saturating_sub(bytes);
-            fits
-        };
-        let embedding_bytes = weights.embeddings.data.bytes().len() as u64;
-        if !take(embedding_bytes) {
-            return Err(Error::Gpu(format!(
-                "the embeddings ({:.2} GB) do not fit the software adapter {} (it uses host memory)",
-                embedding_bytes as f64 / 1e9,
-                ctx.adapter.name
-            )));
-        }
-        let embeddings = GpuMatrix::upload(&ctx, "embeddings", &weights.embeddings)?;
-        let wanted = options
-            .gpu_layers
-            .unwrap_or(cfg.num_layers)
-            .min(cfg.num_layers);
-        let mut layers = Vec::with_capacity(wanted);
-        for (l, w) in weights.layers.iter().enumerate().take(wanted) {
-            if options.gpu_layers.is_none() && !take(dense_of(w)) {
-                break;
-            }
-            let layer = catching_oom(&ctx.device, &format!("layer {l}"), || {
-                Self::upload_layer(&ctx, l, w)
-            });
-            match layer {
-                Ok(layer) => layers.push(layer),
-                Err(e) if options.gpu_layers.is_none() => {
-                    log::info!("{e}: the CPU tier runs layers {l} and up");
-                    break;
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        if layers.is_empty() {
-            return Err(Error::Gpu(if options.gpu_layers == Some(0) {
-                "--gpu-layers 0 leaves the GPU nothing to run (use --backend cpu)".into()
-            } else {
-                "not even one layer's dense weights fit in GPU memory".into()
-            }));
-        }
-        let lm_head =
-            if layers.len() == cfg.num_layers && take(weights.lm_head.data.bytes().len() as u64) {
-                catching_oom(&ctx.device, "lm_head", || {
-                    GpuMatrix::upload(&ctx, "lm_head", &weights.lm_head)
-                })
-                .inspect_err(|e| log::info!("{e}: the CPU tier runs the head"))
-                .ok()
-            } else {
-                None
-            };
-        if layers.len() < cfg.num_layers {
-            log::info!(
-                "the GPU runs layers 0..{}, the CPU tier layers {}..{} and the head",
-                layers.len(),
-                layers.len(),
-                cfg.num_layers
-            );
-        }
-        let final_norm = f32s(&ctx, "final norm", &weights.final_norm)?;
-
+        let (ctx, layers) = (&weights.ctx, &weights.layers);
         let b = options.max_block;
         let (h, i, k) = (
             cfg.hidden_size,
@@ -568,16 +408,29 @@ impl<'m> GpuModel<'m> {
             dummy: zeroed("dummy", 4)?,
             routing_trace: None,
         };
+        let routing_trace = match weights.pool {
+            // Every expert resident: the block's routing is read back with the head's output.
+            None => Some(ctx.zeroed(
+                "routing trace",
+                (layers.len() * options.max_block * cfg.experts_per_token * 4) as u64,
+            )?),
+            Some(_) => None,
+        };
+        let act = Activations {
+            routing_trace,
+            ..act
+        };
+        let slots = weights.cached_experts().unwrap_or(0);
+        let gpu_layers = layers.len();
         let mut gpu = GpuModel {
             model,
-            pool: None,
-            used_slots: Vec::new(),
+            used_slots: vec![false; slots],
             guess: None,
             prefetching: Vec::new(),
             cpu_misses: None,
             placement: (0..cfg.num_layers)
                 .map(|layer| {
-                    let tier = if layer < layers.len() { "gpu" } else { "cpu" };
+                    let tier = if layer < gpu_layers { "gpu" } else { "cpu" };
                     LayerPlacement {
                         layer,
                         attention: tier,
@@ -587,98 +440,23 @@ impl<'m> GpuModel<'m> {
                     }
                 })
                 .collect(),
-            cpu_cache: (layers.len() < cfg.num_layers).then(|| new_cpu_cache(cfg, &options)),
+            cpu_cache: (gpu_layers < cfg.num_layers).then(|| new_cpu_cache(cfg, &options)),
             cpu_last_hidden: Vec::new(),
-            rope: RopeTable::new(cfg),
             config: cfg.clone(),
             options,
-            layers,
-            embeddings,
-            lm_head,
-            final_norm,
             act,
             kv: Vec::new(),
             plans: HashMap::new(),
             len: 0,
             last_block: 0,
             counters: GpuCounters::default(),
-            load: GpuLoad::default(),
             debug: std::env::var("PICCHIO_GPU_DEBUG").is_ok_and(|v| v == "1"),
-            ctx,
+            weights,
         };
-        gpu.kv = (0..gpu.layers.len())
+        gpu.kv = (0..gpu_layers)
             .map(|l| gpu.new_kv(l, 0))
             .collect::<Result<_>>()?;
         Ok(gpu)
-    }
-
-    /// Puts every expert in VRAM when the budget allows, else a cache of as many slots as it
-    /// does. `Auto` tries every expert, then halves the cache until the device takes it.
-    fn place_experts_in_vram(&mut self) -> Result<()> {
-        let (cfg, weights) = (&self.model.config, &self.model.weights);
-        let total = self.layers.len() * cfg.num_experts;
-        let first = &weights.layers[0];
-        // An empty pool tells whether these experts can be cached at all.
-        let probe = (
-            GpuExperts::pool(&self.ctx, "probe", &first.gate_up, 0),
-            GpuExperts::pool(&self.ctx, "probe", &first.down, 0),
-        );
-        let per_slot = match &probe {
-            (Ok(_), Ok(_)) => vram_bytes_per_expert(self.model),
-            _ => u64::MAX, // experts a cache cannot hold: all resident or none
-        };
-        let slots_for = |bytes: f64| ((bytes / per_slot as f64).floor() as usize).min(total);
-        let mut slots = match self.options.vram_budget {
-            VramBudget::Bytes(b) => slots_for(b as f64),
-            VramBudget::Percent(p) => slots_for(per_slot as f64 * total as f64 * p / 100.0),
-            VramBudget::Auto => {
-                // A software adapter's memory is the host's: leave half of what is available.
-                let all = per_slot.saturating_mul(total as u64);
-                match crate::experts::available_memory_bytes() {
-                    Some(a) if self.ctx.adapter.device_type == "Cpu" && all > a / 2 => {
-                        slots_for(a as f64 / 2.0)
-                    }
-                    _ => total,
-                }
-            }
-        };
-        loop {
-            let attempt = if slots >= total {
-                self.upload_all_experts()
-            } else {
-                self.make_pool(slots)
-            };
-            match attempt {
-                Ok(()) => break,
-                Err(e) if self.options.vram_budget == VramBudget::Auto && slots > 0 => {
-                    log::info!("VRAM expert cache of {slots} experts: {e}; trying half");
-                    for layer in &mut self.layers {
-                        layer.experts = None;
-                    }
-                    self.pool = None;
-                    slots = slots.min(total) / 2;
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        let cached = self.vram_experts();
-        let bytes = cached as u64 * vram_bytes_per_expert(self.model);
-        log::info!(
-            "VRAM holds {cached} of {total} experts ({:.2} GB){}",
-            bytes as f64 / 1e9,
-            if self.pool.is_some() {
-                format!("; misses: {:?}", self.options.miss_policy).to_lowercase()
-            } else {
-                String::new()
-            }
-        );
-        if self.pool.is_none() {
-            let bytes =
-                (self.layers.len() * self.options.max_block * cfg.experts_per_token * 4) as u64;
-            self.act.routing_trace = Some(self.ctx.zeroed("routing trace", bytes)?);
-        }
-        self.plans.clear();
-        Ok(())
     }
 
     /// Counts the experts every layer used in the last block (`ids`: `[layers, n, top_k]`) as
@@ -696,48 +474,9 @@ impl<'m> GpuModel<'m> {
         }
     }
 
-    fn upload_all_experts(&mut self) -> Result<()> {
-        let weights = &self.model.weights;
-        let (ctx, layers) = (&self.ctx, &mut self.layers);
-        catching_oom(&ctx.device, "every expert", || {
-            for (l, (layer, w)) in layers.iter_mut().zip(&weights.layers).enumerate() {
-                let name = |s: &str| format!("layer {l} {s}");
-                layer.experts = Some(ResidentExperts {
-                    gate_up: GpuExperts::upload(ctx, &name("gate_up"), &w.gate_up)?,
-                    gate_up_bias: f32s(ctx, &name("gate_up bias"), &w.gate_up_bias)?,
-                    down: GpuExperts::upload(ctx, &name("down"), &w.down)?,
-                    down_bias: f32s(ctx, &name("down bias"), &w.down_bias)?,
-                });
-            }
-            Ok(())
-        })
-    }
-
-    fn make_pool(&mut self, slots: usize) -> Result<()> {
-        let cfg = &self.model.config;
-        let first = &self.model.weights.layers[0];
-        let ctx = &self.ctx;
-        let what = format!("{slots} cached experts");
-        let pool = catching_oom(&ctx.device, &what, || {
-            let f = |n: usize| (n.max(1) * 4) as u64;
-            Ok(ExpertPool::new(
-                GpuExperts::pool(ctx, "cached gate_up", &first.gate_up, slots)?,
-                GpuExperts::pool(ctx, "cached down", &first.down, slots)?,
-                [
-                    ctx.zeroed("cached gate_up bias", f(slots * 2 * cfg.intermediate_size))?,
-                    ctx.zeroed("cached down bias", f(slots * cfg.hidden_size))?,
-                ],
-                slots,
-            ))
-        })?;
-        self.used_slots = vec![false; slots];
-        self.pool = Some(pool);
-        Ok(())
-    }
-
     /// Most positions one KV buffer can bind on this device.
     fn max_kv_positions(&self) -> usize {
-        (self.ctx.max_binding_bytes / (self.config.kv_dim() as u64 * 4)) as usize
+        (self.weights.ctx.max_binding_bytes / (self.config.kv_dim() as u64 * 4)) as usize
     }
 
     /// KV buffers of layer `l` able to hold `needed` positions: a ring of window + block - 1 slots
@@ -757,8 +496,11 @@ impl<'m> GpuModel<'m> {
         }
         let bytes = (capacity * self.config.kv_dim() * 4) as u64;
         Ok(KvBuffers {
-            keys: self.ctx.zeroed(&format!("layer {l} keys"), bytes)?,
-            values: self.ctx.zeroed(&format!("layer {l} values"), bytes)?,
+            keys: self.weights.ctx.zeroed(&format!("layer {l} keys"), bytes)?,
+            values: self
+                .weights
+                .ctx
+                .zeroed(&format!("layer {l} values"), bytes)?,
             capacity,
         })
     }
@@ -785,10 +527,14 @@ impl<'m> GpuModel<'m> {
             }
             let old = &self.kv[l];
             let bytes = (old.capacity * self.config.kv_dim() * 4) as u64;
-            let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
+            let mut encoder = self
+                .weights
+                .ctx
+                .device
+                .create_command_encoder(&Default::default());
             encoder.copy_buffer_to_buffer(&old.keys, 0, &bigger.keys, 0, bytes);
             encoder.copy_buffer_to_buffer(&old.values, 0, &bigger.values, 0, bytes);
-            self.ctx.queue.submit([encoder.finish()]);
+            self.weights.ctx.queue.submit([encoder.finish()]);
             self.counters.submits += 1;
             self.kv[l] = bigger;
             grown = true;
@@ -802,13 +548,12 @@ impl<'m> GpuModel<'m> {
 
     /// Experts in the VRAM cache's slots, when there is a cache (else every expert is resident).
     pub fn cached_experts(&self) -> Option<usize> {
-        self.pool.as_ref().map(ExpertPool::slots)
+        self.weights.cached_experts()
     }
 
     /// Experts held in VRAM: the cache's slots, or every expert of the GPU's layers.
     pub fn vram_experts(&self) -> usize {
-        self.cached_experts()
-            .unwrap_or(self.layers.len() * self.config.num_experts)
+        self.weights.vram_experts()
     }
 
     /// Where each layer ran so far.
@@ -819,13 +564,14 @@ impl<'m> GpuModel<'m> {
     /// Every kernel of a block of `n` tokens, in order.
     fn build_plan(&self, n: usize, head: Option<HeadOutput>) -> Result<Vec<PlanStep>> {
         let cfg = &self.config;
-        let ctx = &self.ctx;
+        let ctx = &self.weights.ctx;
         let a = &self.act;
         let (h, k) = (cfg.hidden_size, cfg.experts_per_token);
         let mut steps: Vec<PlanStep> = Vec::new();
         add(
             &mut steps,
-            self.embeddings
+            self.weights
+                .embeddings
                 .prepare_embed(ctx, &a.tokens, n, &a.hidden)?,
         );
         let mut recorder = plan::PlanRecorder::new(self, n, steps);
@@ -844,7 +590,7 @@ impl<'m> GpuModel<'m> {
                 vec![prepare_rms_norm(
                     ctx,
                     &a.last,
-                    &self.final_norm,
+                    &self.weights.final_norm,
                     1,
                     h,
                     cfg.rms_norm_eps,
@@ -853,7 +599,8 @@ impl<'m> GpuModel<'m> {
             );
             add(
                 &mut steps,
-                self.lm_head
+                self.weights
+                    .lm_head
                     .as_ref()
                     .ok_or_else(|| Error::Gpu("the head is not on the GPU".into()))?
                     .prepare(ctx, &a.final_normed, 1, None, &a.logits, &a.dummy)?,
@@ -878,13 +625,13 @@ impl<'m> GpuModel<'m> {
                 to_offset: 0,
                 bytes: head_bytes,
             });
-            if let (None, Some(trace)) = (&self.pool, &a.routing_trace) {
+            if let (None, Some(trace)) = (&self.weights.pool, &a.routing_trace) {
                 steps.push(PlanStep::Copy {
                     from: trace.clone(),
                     from_offset: 0,
                     to: a.staging.clone(),
                     to_offset: head_bytes,
-                    bytes: (self.layers.len() * n * k * 4) as u64,
+                    bytes: (self.weights.layers.len() * n * k * 4) as u64,
                 });
             }
         }
@@ -906,7 +653,7 @@ impl<'m> GpuModel<'m> {
             buffer: self.act.hidden.clone(),
             width: self.config.hidden_size,
         };
-        super::block::decoder_layers(tier, specs, 0..self.layers.len(), &mut hidden)
+        super::block::decoder_layers(tier, specs, 0..self.weights.layers.len(), &mut hidden)
     }
 
     /// The ops the GPU tier records for a block of `n` tokens through its layers, in order:
@@ -961,7 +708,7 @@ impl<'m> GpuModel<'m> {
         validate_tokens(&self.config, self.len, tokens, self.options.context)?;
         let blocks: Vec<&[u32]> = tokens.chunks(self.options.max_block).collect();
         let last = blocks.len() - 1;
-        let gpu_head = self.lm_head.is_some();
+        let gpu_head = self.weights.lm_head.is_some();
         for (b, block) in blocks.into_iter().enumerate() {
             let head = (gpu_head && b == last).then_some(output);
             self.run_block(block, head, None)?;
@@ -1007,7 +754,7 @@ impl<'m> GpuModel<'m> {
         let n = tokens.len();
         let needed = self.len + n;
         self.scoped(|model| model.ensure_kv(needed))?;
-        let q = &self.ctx.queue;
+        let q = &self.weights.ctx.queue;
         q.write_buffer(
             &self.act.step,
             0,
@@ -1016,7 +763,7 @@ impl<'m> GpuModel<'m> {
         q.write_buffer(&self.act.tokens, 0, bytemuck::cast_slice(tokens));
         let (mut cos, mut sin) = (Vec::new(), Vec::new());
         for t in 0..n {
-            let (c, s) = self.rope.cos_sin(self.len + t);
+            let (c, s) = self.weights.rope.cos_sin(self.len + t);
             cos.extend(c);
             sin.extend(s);
         }
@@ -1032,40 +779,50 @@ impl<'m> GpuModel<'m> {
         }
         // Out of the map while it runs: placing experts needs the model mutably.
         let plan = self.plans.remove(&(n, head)).unwrap_or_default();
+        let weights = Arc::clone(&self.weights);
+        let (turn, mut table) = weights.take_turn();
         let result = if self.debug {
-            self.run_plan_debug(&plan, n)
+            self.run_plan_debug(&plan, n, table.as_deref_mut())
         } else {
-            self.run_plan(&plan, n)
+            self.run_plan(&plan, n, table.as_deref_mut())
         };
+        drop((turn, table));
         self.plans.insert((n, head), plan);
         result?;
         self.last_block = n;
-        if let (None, Some(trace), None) = (&self.pool, &self.act.routing_trace, head) {
+        if let (None, Some(trace), None) = (&self.weights.pool, &self.act.routing_trace, head) {
             // Blocks without a head have no readback of their own: count their routing here.
-            let bytes = (self.layers.len() * n * self.config.experts_per_token * 4) as u64;
-            let ids: Vec<u32> = bytemuck::pod_collect_to_vec(&self.ctx.read_back(trace, bytes)?);
+            let bytes = (self.weights.layers.len() * n * self.config.experts_per_token * 4) as u64;
+            let ids: Vec<u32> =
+                bytemuck::pod_collect_to_vec(&self.weights.ctx.read_back(trace, bytes)?);
             self.counters.readbacks += 1;
             self.count_resident_routing(&ids);
         }
-        if self.ctx.is_lost() {
+        if self.weights.ctx.is_lost() {
             return Err(Error::Gpu("the GPU device was lost".into()));
         }
         if let Some(cache) = &mut self.cpu_cache {
             // The residual stream moves to the CPU for the layers the GPU does not hold.
             let h = self.config.hidden_size;
-            let bytes = self.ctx.read_back(&self.act.hidden, (n * h * 4) as u64)?;
+            let bytes = self
+                .weights
+                .ctx
+                .read_back(&self.act.hidden, (n * h * 4) as u64)?;
             let mut hidden: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
             self.counters.readbacks += 1;
-            let layers = self.layers.len()..self.config.num_layers;
+            let layers = self.weights.layers.len()..self.config.num_layers;
             self.model
                 .run_layers(cache, &mut hidden, layers, cpu_trace)?;
             cache.advance(n);
             self.cpu_last_hidden = hidden[(n - 1) * h..].to_vec();
-        } else if self.lm_head.is_none() {
+        } else if self.weights.lm_head.is_none() {
             // Every layer ran here but the head did not fit: the CPU tier's head needs the last
             // position's residual.
             let h = self.config.hidden_size;
-            let bytes = self.ctx.read_back(&self.act.hidden, (n * h * 4) as u64)?;
+            let bytes = self
+                .weights
+                .ctx
+                .read_back(&self.act.hidden, (n * h * 4) as u64)?;
             let hidden: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
             self.counters.readbacks += 1;
             self.cpu_last_hidden = hidden[(n - 1) * h..].to_vec();
@@ -1077,7 +834,12 @@ impl<'m> GpuModel<'m> {
 
     /// Records the plan into one encoder per stretch between host actions: a placement (always:
     /// it reads the routing back) and CPU experts (when the layer left some to the CPU tier).
-    fn run_plan(&mut self, plan: &[PlanStep], n: usize) -> Result<()> {
+    fn run_plan(
+        &mut self,
+        plan: &[PlanStep],
+        n: usize,
+        mut table: Option<&mut SlotTable>,
+    ) -> Result<()> {
         // Misses and a guess a failed block left are not this block's.
         self.cpu_misses = None;
         self.guess = None;
@@ -1094,7 +856,9 @@ impl<'m> GpuModel<'m> {
             self.submit(&plan[first..i])?;
             first = i + 1;
             match step {
-                PlanStep::PlaceExperts { layer } => self.place_layer_experts(*layer, n)?,
+                PlanStep::PlaceExperts { layer } => {
+                    self.place_layer_experts(cache_table(&mut table)?, *layer, n)?
+                }
                 _ => self.run_cpu_misses()?,
             }
         }
@@ -1103,10 +867,14 @@ impl<'m> GpuModel<'m> {
 
     /// Records `steps` into one encoder and submits it.
     fn submit(&mut self, steps: &[PlanStep]) -> Result<()> {
-        self.ctx.guard(|| {
-            let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
+        self.weights.ctx.guard(|| {
+            let mut encoder = self
+                .weights
+                .ctx
+                .device
+                .create_command_encoder(&Default::default());
             record(&mut encoder, steps, &self.used_slots);
-            self.ctx.queue.submit([encoder.finish()]);
+            self.weights.ctx.queue.submit([encoder.finish()]);
             Ok(())
         })?;
         self.counters.submits += 1;
@@ -1115,11 +883,16 @@ impl<'m> GpuModel<'m> {
 
     /// The debug mode (`PICCHIO_GPU_DEBUG=1`): one submission per kernel, each checked for
     /// validation errors and timed, in the log at debug level. Slow; the results are the same.
-    fn run_plan_debug(&mut self, plan: &[PlanStep], n: usize) -> Result<()> {
+    fn run_plan_debug(
+        &mut self,
+        plan: &[PlanStep],
+        n: usize,
+        mut table: Option<&mut SlotTable>,
+    ) -> Result<()> {
         for (i, step) in plan.iter().enumerate() {
             match step {
                 PlanStep::PlaceExperts { layer } => {
-                    self.place_layer_experts(*layer, n)?;
+                    self.place_layer_experts(cache_table(&mut table)?, *layer, n)?;
                     continue;
                 }
                 PlanStep::CpuExperts => {
@@ -1129,18 +902,23 @@ impl<'m> GpuModel<'m> {
                 _ => {}
             }
             let scope = self
+                .weights
                 .ctx
                 .device
                 .push_error_scope(wgpu::ErrorFilter::Validation);
             let started = std::time::Instant::now();
-            let mut encoder = self.ctx.device.create_command_encoder(&Default::default());
+            let mut encoder = self
+                .weights
+                .ctx
+                .device
+                .create_command_encoder(&Default::default());
             record(&mut encoder, std::slice::from_ref(step), &self.used_slots);
             let label = match step {
                 PlanStep::Dispatch(d) | PlanStep::SlotChunk { dispatch: d, .. } => d.label.as_str(),
                 _ => "copy",
             };
-            self.ctx.queue.submit([encoder.finish()]);
-            self.ctx.wait()?;
+            self.weights.ctx.queue.submit([encoder.finish()]);
+            self.weights.ctx.wait()?;
             if let Some(error) = pollster::block_on(scope.pop()) {
                 return Err(Error::Gpu(format!(
                     "step {i} ({label}) of a {n}-token block: {error}"
@@ -1163,7 +941,7 @@ impl<'m> GpuModel<'m> {
             let _ = sender.send(r);
         });
         let started = Instant::now();
-        self.ctx.wait()?;
+        self.weights.ctx.wait()?;
         self.counters.readback_wait_us += started.elapsed().as_micros() as u64;
         receiver
             .recv()
@@ -1175,7 +953,7 @@ impl<'m> GpuModel<'m> {
             .to_vec();
         buffer.unmap();
         self.counters.readbacks += 1;
-        if self.ctx.is_lost() {
+        if self.weights.ctx.is_lost() {
             return Err(Error::Gpu("the GPU device was lost".into()));
         }
         Ok(out)
@@ -1195,9 +973,9 @@ impl<'m> GpuModel<'m> {
     /// expert is resident (read in the same mapping).
     fn read_head(&mut self, output: HeadOutput) -> Result<Vec<u8>> {
         let head_bytes = self.head_bytes(output) as usize;
-        let counting = self.pool.is_none() && self.act.routing_trace.is_some();
+        let counting = self.weights.pool.is_none() && self.act.routing_trace.is_some();
         let routing_bytes = if counting {
-            self.layers.len() * self.last_block * self.config.experts_per_token * 4
+            self.weights.layers.len() * self.last_block * self.config.experts_per_token * 4
         } else {
             0
         };
@@ -1215,7 +993,7 @@ impl<'m> GpuModel<'m> {
     /// by block, for A/B comparisons: `[layer][position][slot]`. Leaves the cache holding the prompt.
     pub fn trace_routing(&mut self, prompt: &[u32]) -> Result<Vec<Vec<Vec<u32>>>> {
         let (layers, k, block) = (
-            self.layers.len(),
+            self.weights.layers.len(),
             self.config.experts_per_token,
             self.options.max_block,
         );
@@ -1225,6 +1003,7 @@ impl<'m> GpuModel<'m> {
             Some(trace) => trace.clone(),
             None => self.scoped(|model| {
                 model
+                    .weights
                     .ctx
                     .zeroed("routing trace", (layers * block * k * 4) as u64)
             })?,
@@ -1240,7 +1019,7 @@ impl<'m> GpuModel<'m> {
                     .and_then(|()| {
                         let used = layers * chunk.len() * k;
                         let ids: Vec<u32> = bytemuck::pod_collect_to_vec(
-                            &self.ctx.read_back(&trace, (used * 4) as u64)?,
+                            &self.weights.ctx.read_back(&trace, (used * 4) as u64)?,
                         );
                         for (l, layer) in ids.chunks(chunk.len() * k).enumerate() {
                             routing[l].extend(layer.chunks(k).map(|slots| slots.to_vec()));
@@ -1266,10 +1045,12 @@ impl<'m> GpuModel<'m> {
     /// otherwise report them to its default handler, which panics).
     fn scoped<T>(&mut self, operation: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         let oom = self
+            .weights
             .ctx
             .device
             .push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let validation = self
+            .weights
             .ctx
             .device
             .push_error_scope(wgpu::ErrorFilter::Validation);
@@ -1302,6 +1083,6 @@ impl<'m> GpuModel<'m> {
 
     /// Decoder layers the GPU runs (the first ones); the CPU tier runs the rest.
     pub fn gpu_layers(&self) -> usize {
-        self.layers.len()
+        self.weights.layers.len()
     }
 }

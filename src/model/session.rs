@@ -5,8 +5,7 @@
 //! position always equals the cache's length.
 
 use super::Model;
-use super::generate::{FallbackSession, Session, SessionTier, open_session};
-use super::gpu_tier::GpuTierOptions;
+use super::generate::{FallbackSession, Runtime, Session, SessionTier};
 use super::sampler::Sampler;
 use crate::error::{Error, Result};
 
@@ -40,16 +39,18 @@ impl<'m> ChatSession<'m> {
         ChatSession::on(model, FallbackSession::cpu(model, context, true), context)
     }
 
-    /// An empty session of at most `context` positions on the tier `tier` picks
-    /// (`open_session`).
+    /// An empty session of at most `context` positions on the tier `tier` picks, in a runtime
+    /// of its own (`Runtime::open`).
     pub fn open(model: &'m Model, tier: &SessionTier, context: usize) -> Result<ChatSession<'m>> {
-        let options = GpuTierOptions {
-            keep_all_positions: true,
-            context,
-            ..tier.gpu.clone()
-        };
-        let session = open_session(model, tier.backend, &options)?;
-        Ok(ChatSession::on(model, session, context))
+        ChatSession::in_runtime(&Runtime::open(model, tier.backend, &tier.gpu)?, context)
+    }
+
+    /// An empty session of at most `context` positions in `runtime`, sharing its weights with
+    /// the runtime's other sessions.
+    pub fn in_runtime(runtime: &Runtime<'m>, context: usize) -> Result<ChatSession<'m>> {
+        // Caches that keep every position: a turn may cut them back anywhere.
+        let session = runtime.session(context, true)?;
+        Ok(ChatSession::on(runtime.model(), session, context))
     }
 
     fn on(model: &'m Model, session: FallbackSession<'m>, context: usize) -> ChatSession<'m> {

@@ -6,13 +6,13 @@
 //! uploaded into free or evictable slots while the GPU computes.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 use super::{GpuModel, MissPolicy};
 use crate::cpu::moe::Routing;
 use crate::error::{Error, Result};
-use crate::experts::{ExpertData, ExpertKey, Pending};
+use crate::experts::{ExpertData, ExpertKey, ExpertStore, Pending};
 use crate::gpu::kernels::GpuExperts;
 use crate::model::PrefetchProxy;
 
@@ -20,21 +20,28 @@ use crate::model::PrefetchProxy;
 pub(super) const NO_SLOT: u32 = u32::MAX;
 
 /// The VRAM expert cache: slots holding any layer's experts (the weights and biases of one
-/// expert per slot), an LRU over them, and the map from (layer, expert) to slot.
+/// expert per slot), shared by the sessions on the same weights, and its slot table.
 pub(super) struct ExpertPool {
     pub gate_up: GpuExperts,
     pub down: GpuExperts,
     /// `[slots, rows]` biases of the expert in each slot.
     pub gate_up_bias: wgpu::Buffer,
     pub down_bias: wgpu::Buffer,
+    table: Mutex<SlotTable>,
+    slots: usize,
+}
+
+/// Which expert each slot of the VRAM cache holds: an LRU over the slots, and the map from
+/// (layer, expert) to slot.
+pub(super) struct SlotTable {
     /// Slots whose expert is written (a prefetch's slot joins once its upload is queued).
-    pub slot_of: HashMap<ExpertKey, usize>,
+    slot_of: HashMap<ExpertKey, usize>,
     /// Who holds or is about to hold each slot.
-    pub owner: Vec<Option<ExpertKey>>,
-    pub last_used: Vec<u64>,
+    owner: Vec<Option<ExpertKey>>,
+    last_used: Vec<u64>,
     /// Slots a prefetch filled that no layer has used since.
-    pub prefetched: Vec<bool>,
-    pub clock: u64,
+    prefetched: Vec<bool>,
+    clock: u64,
     /// Experts `claim` evicted, and of those the prefetched ones nobody used, not yet counted
     /// in the store's statistics (`GpuModel::count_claims`).
     evicted: u64,
@@ -54,17 +61,33 @@ impl ExpertPool {
             down,
             gate_up_bias,
             down_bias,
-            slot_of: HashMap::new(),
-            owner: vec![None; slots],
-            last_used: vec![0; slots],
-            prefetched: vec![false; slots],
-            clock: 0,
-            evicted: 0,
-            evicted_unused_prefetches: 0,
+            table: Mutex::new(SlotTable {
+                slot_of: HashMap::new(),
+                owner: vec![None; slots],
+                last_used: vec![0; slots],
+                prefetched: vec![false; slots],
+                clock: 0,
+                evicted: 0,
+                evicted_unused_prefetches: 0,
+            }),
+            slots,
         }
     }
 
     pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// The slot table, for one session's block (`GpuWeights::take_turn`).
+    pub fn lock_table(&self) -> MutexGuard<'_, SlotTable> {
+        // A slot answers for its expert only once written: a session that panicked mid-block
+        // left no entry the next one could misread.
+        self.table.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl SlotTable {
+    fn slots(&self) -> usize {
         self.owner.len()
     }
 
@@ -85,6 +108,26 @@ impl ExpertPool {
         }
         self.last_used[slot] = now;
         Some(slot)
+    }
+
+    /// Adds the evictions the claims made since the last call to `store`'s statistics.
+    fn count_claims(&mut self, store: &ExpertStore) {
+        let evicted = std::mem::take(&mut self.evicted);
+        let wasted = std::mem::take(&mut self.evicted_unused_prefetches);
+        store.count_vram_evictions(evicted);
+        store.count_prefetch_outcome(0, wasted * store.expert_bytes());
+    }
+
+    /// Frees the slots claimed for layer `l`'s `experts` that no written expert answers for.
+    fn release_unwritten(&mut self, l: usize, experts: &[usize]) {
+        for &expert in experts {
+            let key = ExpertKey { layer: l, expert };
+            if !self.slot_of.contains_key(&key)
+                && let Some(slot) = self.owner.iter().position(|o| *o == Some(key))
+            {
+                self.owner[slot] = None;
+            }
+        }
     }
 }
 
@@ -121,9 +164,14 @@ impl GpuModel<'_> {
     /// submission copied to the staging buffer: hits keep their slot, misses are uploaded into
     /// a slot or left for the CPU tier (`run_cpu_misses`), then the slot of every pair is
     /// written. Guesses the next layer's experts and starts their prefetch.
-    pub(super) fn place_layer_experts(&mut self, l: usize, n: usize) -> Result<()> {
+    pub(super) fn place_layer_experts(
+        &mut self,
+        table: &mut SlotTable,
+        l: usize,
+        n: usize,
+    ) -> Result<()> {
         // The prefetch for this layer: its reads had the GPU's time since the last sync.
-        self.finish_prefetch();
+        self.finish_prefetch(table);
         let (ids, x) = self.read_routing(n)?;
         let k = self.config.experts_per_token;
         let mut chosen: Vec<usize> = ids.iter().map(|&e| e as usize).collect();
@@ -134,11 +182,11 @@ impl GpuModel<'_> {
                 "layer {l}: the router chose expert {bad}"
             )));
         }
-        let placed = self.assign_slots(l, &chosen, n)?;
-        let filled = self.fill_slots(l, &ids, x, &placed);
+        let placed = self.assign_slots(table, l, &chosen, n)?;
+        let filled = self.fill_slots(table, l, &ids, x, &placed);
         if filled.is_err() {
             // A slot whose expert was not written must not answer for it later.
-            self.release_unwritten(l, &placed.uploads);
+            table.release_unwritten(l, &placed.uploads);
         }
         filled?;
         self.used_slots.fill(false);
@@ -152,7 +200,7 @@ impl GpuModel<'_> {
                 slot.map_or(NO_SLOT, |&s| s as u32)
             })
             .collect();
-        let queue = &self.ctx.queue;
+        let queue = &self.weights.ctx.queue;
         queue.write_buffer(&self.act.slot_ids, 0, bytemuck::cast_slice(&slots));
         debug_assert_eq!(slots.len(), n * k);
         self.record_placement(l, &placed);
@@ -162,13 +210,20 @@ impl GpuModel<'_> {
     /// Reads and uploads layer `l`'s misses into their slots (each slot answers for its expert
     /// once written), starts the reads of its CPU experts, and guesses the next layer's experts
     /// behind those reads.
-    fn fill_slots(&mut self, l: usize, ids: &[u32], x: Vec<f32>, placed: &Placed) -> Result<()> {
+    fn fill_slots(
+        &mut self,
+        table: &mut SlotTable,
+        l: usize,
+        ids: &[u32],
+        x: Vec<f32>,
+        placed: &Placed,
+    ) -> Result<()> {
         let model = self.model;
         // Every read starts before the first is awaited; each expert is used as it arrives.
         let requests = model.experts.request(l, &placed.uploads)?;
         let cpu_requests = model.experts.request(l, &placed.on_cpu)?;
         // Behind this layer's reads: the guess for the next layer and its prefetch.
-        self.guess_next(l, ids, &x)?;
+        self.guess_next(table, l, ids, &x)?;
         for (&e, request) in placed.uploads.iter().zip(requests) {
             let expert = model.experts.wait(request)?;
             let slot = placed.slot_of_expert[&e];
@@ -177,11 +232,7 @@ impl GpuModel<'_> {
                 layer: l,
                 expert: e,
             };
-            self.pool
-                .as_mut()
-                .expect("cached")
-                .slot_of
-                .insert(key, slot);
+            table.slot_of.insert(key, slot);
         }
         self.cpu_misses = (!placed.on_cpu.is_empty()).then(|| CpuMisses {
             layer: l,
@@ -190,19 +241,6 @@ impl GpuModel<'_> {
             experts: placed.on_cpu.iter().copied().zip(cpu_requests).collect(),
         });
         Ok(())
-    }
-
-    /// Frees the slots claimed for layer `l`'s `experts` that no written expert answers for.
-    fn release_unwritten(&mut self, l: usize, experts: &[usize]) {
-        let pool = self.pool.as_mut().expect("cached");
-        for &expert in experts {
-            let key = ExpertKey { layer: l, expert };
-            if !pool.slot_of.contains_key(&key)
-                && let Some(slot) = pool.owner.iter().position(|o| *o == Some(key))
-            {
-                pool.owner[slot] = None;
-            }
-        }
     }
 
     /// The routing ids (`[n, top_k]`) and MoE input (`[n, hidden]`) of the layer being placed.
@@ -218,16 +256,18 @@ impl GpuModel<'_> {
 
     /// Hits keep their slot (a prefetched one counts as used); misses get a slot while the miss
     /// policy lets them, else go to the CPU.
-    fn assign_slots(&mut self, l: usize, chosen: &[usize], n: usize) -> Result<Placed> {
+    fn assign_slots(
+        &mut self,
+        pool: &mut SlotTable,
+        l: usize,
+        chosen: &[usize],
+        n: usize,
+    ) -> Result<Placed> {
         let evict = match self.options.miss_policy {
             MissPolicy::Upload => true,
             MissPolicy::Cpu => false,
             MissPolicy::Auto => n > 1,
         };
-        let pool = self
-            .pool
-            .as_mut()
-            .ok_or_else(|| Error::Gpu("no VRAM expert cache".into()))?;
         pool.clock += 1;
         let now = pool.clock;
         let mut placed = Placed {
@@ -268,25 +308,20 @@ impl GpuModel<'_> {
         let store = &self.model.experts;
         store.count_vram_hits(l, &placed.hits);
         store.count_prefetch_outcome(prefetch_used, 0);
-        self.count_claims();
+        pool.count_claims(store);
         Ok(placed)
-    }
-
-    /// Adds the evictions the cache's claims made since the last call to the store's statistics.
-    fn count_claims(&mut self) {
-        let record_bytes = self.model.experts.expert_bytes();
-        let pool = self.pool.as_mut().expect("cached");
-        let evicted = std::mem::take(&mut pool.evicted);
-        let wasted = std::mem::take(&mut pool.evicted_unused_prefetches);
-        let store = &self.model.experts;
-        store.count_vram_evictions(evicted);
-        store.count_prefetch_outcome(0, wasted * record_bytes);
     }
 
     /// Scores the guess made at the layer before, then guesses layer `l + 1`'s experts from this
     /// layer's MoE input (proxy A: the only one the host sees here) and, with prefetch on,
     /// starts reading those VRAM lacks into slots the current layer does not use.
-    fn guess_next(&mut self, l: usize, ids: &[u32], x: &[f32]) -> Result<()> {
+    fn guess_next(
+        &mut self,
+        table: &mut SlotTable,
+        l: usize,
+        ids: &[u32],
+        x: &[f32],
+    ) -> Result<()> {
         let model = self.model;
         let k = self.config.experts_per_token;
         if let Some(guess) = self.guess.take() {
@@ -294,13 +329,14 @@ impl GpuModel<'_> {
             model.score_prediction(PrefetchProxy::A, &guess, &actual);
         }
         let next = l + 1;
-        if next >= self.layers.len() || !(model.prefetch.enabled || model.prefetch.measure_accuracy)
+        if next >= self.weights.layers.len()
+            || !(model.prefetch.enabled || model.prefetch.measure_accuracy)
         {
             return Ok(());
         }
         let guess = model.predict_experts(next, x, false)?;
         if model.prefetch.enabled {
-            self.prefetch(next, &guess)?;
+            self.prefetch(table, next, &guess)?;
         }
         self.guess = Some(guess);
         Ok(())
@@ -309,9 +345,8 @@ impl GpuModel<'_> {
     /// Claims a slot for each guessed expert of layer `l` that VRAM lacks (never one the current
     /// layer uses; not at all under `--miss-policy cpu`, which never evicts, once no slot is
     /// free) and starts reading it.
-    fn prefetch(&mut self, l: usize, guess: &[Vec<usize>]) -> Result<()> {
+    fn prefetch(&mut self, pool: &mut SlotTable, l: usize, guess: &[Vec<usize>]) -> Result<()> {
         let evict = self.options.miss_policy != MissPolicy::Cpu;
-        let pool = self.pool.as_mut().expect("a layer was placed");
         let mut wanted: Vec<usize> = guess.iter().flatten().copied().collect();
         wanted.sort_unstable();
         wanted.dedup();
@@ -330,13 +365,12 @@ impl GpuModel<'_> {
             };
             claimed.push((slot, key));
         }
-        self.count_claims();
         let store = &self.model.experts;
+        pool.count_claims(store);
         let experts: Vec<usize> = claimed.iter().map(|(_, key)| key.expert).collect();
         let reads = match store.request_prefetch(l, &experts) {
             Ok(reads) => reads,
             Err(e) => {
-                let pool = self.pool.as_mut().expect("a layer was placed");
                 for (slot, _) in claimed {
                     pool.owner[slot] = None;
                 }
@@ -353,14 +387,13 @@ impl GpuModel<'_> {
 
     /// Uploads the prefetched experts as their reads arrive; a failed read frees its slot (the
     /// layer then reads the expert itself, and reports the error if it fails again).
-    pub(super) fn finish_prefetch(&mut self) {
+    pub(super) fn finish_prefetch(&mut self, pool: &mut SlotTable) {
         for (slot, key, read) in std::mem::take(&mut self.prefetching) {
             let written = self
                 .model
                 .experts
                 .wait_prefetch(read)
                 .and_then(|expert| self.write_expert(slot, key.layer, key.expert, &expert));
-            let pool = self.pool.as_mut().expect("a layer was placed");
             match written {
                 Ok(()) => {
                     pool.slot_of.insert(key, slot);
@@ -378,11 +411,9 @@ impl GpuModel<'_> {
     fn write_expert(&self, slot: usize, l: usize, e: usize, expert: &ExpertData) -> Result<()> {
         let started = Instant::now();
         let (h, i) = (self.config.hidden_size, self.config.intermediate_size);
-        let (pool, layer) = (
-            self.pool.as_ref().expect("cached"),
-            &self.model.weights.layers[l],
-        );
-        let queue = &self.ctx.queue;
+        let pool = self.weights.pool.as_ref().expect("a VRAM cache");
+        let layer = &self.model.weights.layers[l];
+        let queue = &self.weights.ctx.queue;
         pool.gate_up.write_slot(queue, slot, &expert.gate_up)?;
         pool.down.write_slot(queue, slot, &expert.down)?;
         let gate_up_bias = &layer.gate_up_bias[e * 2 * i..(e + 1) * 2 * i];
@@ -420,7 +451,7 @@ impl GpuModel<'_> {
             self.config.experts_per_token,
         );
         let layer = &model.weights.layers[misses.layer];
-        let queue = &self.ctx.queue;
+        let queue = &self.weights.ctx.queue;
         for (e, request) in misses.experts {
             let expert: Arc<ExpertData> = model.experts.wait(request)?;
             let pairs: Vec<usize> = (0..misses.ids.len())

@@ -51,14 +51,20 @@ impl Tier for PlanRecorder<'_, '_> {
 
     fn rms_norm(&mut self, layer: usize, norm: Norm, x: &GpuAct) -> Result<GpuAct> {
         let (gpu, a) = (self.gpu, &self.gpu.act);
-        let w = &gpu.layers[layer];
+        let w = &gpu.weights.layers[layer];
         let weights = match norm {
             Norm::Input => &w.input_norm,
             Norm::PostAttention => &w.post_attention_norm,
         };
         let eps = gpu.config.rms_norm_eps;
         let dispatch = prepare_rms_norm(
-            &gpu.ctx, &x.buffer, weights, self.n, x.width, eps, &a.normed,
+            &gpu.weights.ctx,
+            &x.buffer,
+            weights,
+            self.n,
+            x.width,
+            eps,
+            &a.normed,
         )?;
         add(&mut self.steps, vec![dispatch]);
         Ok(Self::act(&a.normed, x.width))
@@ -71,7 +77,7 @@ impl Tier for PlanRecorder<'_, '_> {
         x: &GpuAct,
     ) -> Result<[GpuAct; N]> {
         let (gpu, a) = (self.gpu, &self.gpu.act);
-        let w = &gpu.layers[layer];
+        let w = &gpu.weights.layers[layer];
         let mut outs = Vec::with_capacity(N);
         for projection in projections {
             let (matrix, bias, out) = match projection {
@@ -86,8 +92,14 @@ impl Tier for PlanRecorder<'_, '_> {
                     x.width, matrix.cols
                 )));
             }
-            let dispatches =
-                matrix.prepare(&gpu.ctx, &x.buffer, self.n, bias.as_ref(), out, &a.dummy)?;
+            let dispatches = matrix.prepare(
+                &gpu.weights.ctx,
+                &x.buffer,
+                self.n,
+                bias.as_ref(),
+                out,
+                &a.dummy,
+            )?;
             add(&mut self.steps, dispatches);
             outs.push(Self::act(out, matrix.rows));
         }
@@ -100,7 +112,7 @@ impl Tier for PlanRecorder<'_, '_> {
         let (gpu, a) = (self.gpu, &self.gpu.act);
         let head_dim = x.width / heads;
         let dispatch = prepare_rope(
-            &gpu.ctx,
+            &gpu.weights.ctx,
             &x.buffer,
             (self.n, heads, head_dim),
             &a.cos,
@@ -127,9 +139,9 @@ impl Tier for PlanRecorder<'_, '_> {
             capacity: kv.capacity,
             window: spec.window,
         };
-        let sinks = &gpu.layers[layer].sinks;
+        let sinks = &gpu.weights.layers[layer].sinks;
         let (k, v) = (&keys.buffer, &values.buffer);
-        let ctx = &gpu.ctx;
+        let ctx = &gpu.weights.ctx;
         let store = prepare_kv_store(ctx, shape, n, &a.step, k, v, &kv.keys, &kv.values)?;
         let attend = prepare_attention(
             ctx,
@@ -148,7 +160,7 @@ impl Tier for PlanRecorder<'_, '_> {
 
     fn add(&mut self, into: &mut GpuAct, delta: &GpuAct) -> Result<()> {
         let dispatch = prepare_add(
-            &self.gpu.ctx,
+            &self.gpu.weights.ctx,
             &delta.buffer,
             &into.buffer,
             self.n * into.width,
@@ -160,10 +172,10 @@ impl Tier for PlanRecorder<'_, '_> {
     fn route(&mut self, layer: usize, spec: &RouterSpec, x: &GpuAct) -> Result<GpuRouting> {
         let (gpu, a, n) = (self.gpu, &self.gpu.act, self.n);
         let Gating::TopKThenSoftmax = spec.gating;
-        let w = &gpu.layers[layer];
+        let w = &gpu.weights.layers[layer];
         let logits = &a.router_logits;
         let product = w.router.prepare(
-            &gpu.ctx,
+            &gpu.weights.ctx,
             &x.buffer,
             n,
             Some(&w.router_bias),
@@ -172,7 +184,13 @@ impl Tier for PlanRecorder<'_, '_> {
         )?;
         add(&mut self.steps, product);
         let shape = (n, spec.experts, spec.top_k);
-        let route = prepare_route(&gpu.ctx, logits, shape, &a.expert_ids, &a.expert_weights)?;
+        let route = prepare_route(
+            &gpu.weights.ctx,
+            logits,
+            shape,
+            &a.expert_ids,
+            &a.expert_weights,
+        )?;
         add(&mut self.steps, vec![route]);
         if let Some(trace) = &a.routing_trace {
             let bytes = (n * spec.top_k * 4) as u64;
@@ -203,43 +221,46 @@ impl Tier for PlanRecorder<'_, '_> {
         let Activation::ClampedSwiglu { alpha, limit } = spec.activation;
         let k = gpu.config.experts_per_token;
         let pairs = n * k;
-        let w = &gpu.layers[layer];
-        let (gate_up, gate_up_bias, down, down_bias, selector) = match (&w.experts, &gpu.pool) {
-            (Some(r), _) => (
-                &r.gate_up,
-                &r.gate_up_bias,
-                &r.down,
-                &r.down_bias,
-                &routing.ids,
-            ),
-            (None, Some(pool)) => {
-                let ids_capacity = (gpu.options.max_block * k * 4) as u64;
-                let staged = [
-                    (&routing.ids, 0, (pairs * 4) as u64),
-                    (&x.buffer, ids_capacity, (n * x.width * 4) as u64),
-                ];
-                for (from, to_offset, bytes) in staged {
-                    self.steps.push(PlanStep::Copy {
-                        from: from.clone(),
-                        from_offset: 0,
-                        to: a.routing_staging.clone(),
-                        to_offset,
-                        bytes,
-                    });
+        let w = &gpu.weights.layers[layer];
+        let (gate_up, gate_up_bias, down, down_bias, selector) =
+            match (&w.experts, &gpu.weights.pool) {
+                (Some(r), _) => (
+                    &r.gate_up,
+                    &r.gate_up_bias,
+                    &r.down,
+                    &r.down_bias,
+                    &routing.ids,
+                ),
+                (None, Some(pool)) => {
+                    let ids_capacity = (gpu.options.max_block * k * 4) as u64;
+                    let staged = [
+                        (&routing.ids, 0, (pairs * 4) as u64),
+                        (&x.buffer, ids_capacity, (n * x.width * 4) as u64),
+                    ];
+                    for (from, to_offset, bytes) in staged {
+                        self.steps.push(PlanStep::Copy {
+                            from: from.clone(),
+                            from_offset: 0,
+                            to: a.routing_staging.clone(),
+                            to_offset,
+                            bytes,
+                        });
+                    }
+                    self.steps.push(PlanStep::PlaceExperts { layer });
+                    (
+                        &pool.gate_up,
+                        &pool.gate_up_bias,
+                        &pool.down,
+                        &pool.down_bias,
+                        &a.slot_ids,
+                    )
                 }
-                self.steps.push(PlanStep::PlaceExperts { layer });
-                (
-                    &pool.gate_up,
-                    &pool.gate_up_bias,
-                    &pool.down,
-                    &pool.down_bias,
-                    &a.slot_ids,
-                )
-            }
-            (None, None) => return Err(Error::Gpu(format!("layer {layer}: no experts in VRAM"))),
-        };
+                (None, None) => {
+                    return Err(Error::Gpu(format!("layer {layer}: no experts in VRAM")));
+                }
+            };
         let cached = w.experts.is_none();
-        let ctx = &gpu.ctx;
+        let ctx = &gpu.weights.ctx;
         let dispatches = gate_up.prepare(
             ctx,
             &x.buffer,
@@ -280,7 +301,7 @@ impl Tier for PlanRecorder<'_, '_> {
         let k = self.gpu.config.experts_per_token;
         let buffers = (&routing.ids, &routing.weights, &experts.buffer);
         let shape = (self.n, k, hidden.width);
-        let dispatch = prepare_combine(&self.gpu.ctx, buffers, shape, &hidden.buffer)?;
+        let dispatch = prepare_combine(&self.gpu.weights.ctx, buffers, shape, &hidden.buffer)?;
         add(&mut self.steps, vec![dispatch]);
         Ok(())
     }
