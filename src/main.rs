@@ -656,6 +656,7 @@ fn run(cli: Cli) -> Result<()> {
                     let experts = loaded.experts.stats();
                     let (attention_ms, experts_ms, head_ms) = loaded.timings.millis();
                     let vram_cached = session.gpu().map(|g| g.vram_experts());
+                    let resident_layers = session.gpu().map(|g| g.weights().resident_layers());
                     // The GPU tier's per-layer choices, or one tier for every layer.
                     let placement = match session.placement() {
                         Some(layers) => serde_json::to_value(layers)?,
@@ -676,6 +677,7 @@ fn run(cli: Cli) -> Result<()> {
                             "vram_evictions": experts.vram_evictions,
                             "ram_budget_bytes": loaded.experts.budget(),
                             "vram_cached_experts": vram_cached,
+                            "vram_resident_layers": resident_layers,
                             "expert_record_bytes": loaded.experts.expert_bytes(),
                         },
                         "time_ms": {

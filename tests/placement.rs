@@ -403,3 +403,47 @@ fn prefetch_reaches_vram_without_a_ram_cache() {
     assert!(on.vram_hits > off.vram_hits, "{on:?} vs {off:?}");
     assert_eq!(on.requests, on.vram_hits + on.ram_hits + on.disk_reads);
 }
+
+/// A VRAM budget short of every expert keeps whole layers resident before it caches the rest:
+/// those layers run without a host sync, so a decoded token reads back once per cached layer and
+/// once for the head, and the tokens stay transformers'.
+#[test]
+fn layers_whose_experts_are_all_resident_need_no_sync() {
+    use picchio::model::generate::generate_observed;
+    let dir = fixtures_dir().join("tiny-routed");
+    let reference = reference(&dir);
+    let model = Model::load(&dir).unwrap();
+    let (layers, experts) = (model.config.num_layers, model.config.num_experts);
+    // Room for all but one layer's experts: all but two layers whole, one layer's worth cached.
+    let options = GpuTierOptions {
+        vram_budget: slots(&model, ((layers - 1) * experts) as u64),
+        ..gpu_options()
+    };
+    let Some(mut session) = gpu_session(&model, options) else {
+        return;
+    };
+    assert_eq!(session.weights().resident_layers(), layers - 2);
+    assert_eq!(session.cached_experts(), Some(experts));
+    let mut marks = Vec::new();
+    let out = generate_observed(
+        &mut session,
+        &model.config,
+        &reference.prompt_ids,
+        &greedy_options(32),
+        &mut |s, _| marks.push(s.gpu_counters().unwrap()),
+    )
+    .unwrap();
+    assert_eq!(out.generated_ids, reference.generated_ids);
+    let readbacks = marks[1].readbacks - marks[0].readbacks;
+    let cached_layers = 2;
+    assert_eq!(
+        readbacks,
+        out.decode_tokens as u64 * (cached_layers + 1),
+        "{marks:?}"
+    );
+    let placement = session.placement();
+    for p in &placement[..layers - 2] {
+        assert_eq!((p.uploads, p.cpu_experts), (0, 0), "{p:?}");
+        assert!(p.vram_hits > 0, "{p:?}");
+    }
+}

@@ -408,13 +408,13 @@ impl<'m> GpuModel<'m> {
             dummy: zeroed("dummy", 4)?,
             routing_trace: None,
         };
-        let routing_trace = match weights.pool {
-            // Every expert resident: the block's routing is read back with the head's output.
-            None => Some(ctx.zeroed(
-                "routing trace",
-                (layers.len() * options.max_block * cfg.experts_per_token * 4) as u64,
-            )?),
-            Some(_) => None,
+        // Layers with every expert resident: their routing is read back with the head's output
+        // (to count the experts they used).
+        let routing_trace = if weights.resident_layers() > 0 {
+            let bytes = layers.len() * options.max_block * cfg.experts_per_token * 4;
+            Some(ctx.zeroed("routing trace", bytes as u64)?)
+        } else {
+            None
         };
         let act = Activations {
             routing_trace,
@@ -459,12 +459,15 @@ impl<'m> GpuModel<'m> {
         Ok(gpu)
     }
 
-    /// Counts the experts every layer used in the last block (`ids`: `[layers, n, top_k]`) as
-    /// VRAM hits: with every expert resident, each one the routing chose is one.
+    /// Counts the experts each layer with every expert resident used in the last block (`ids`:
+    /// `[layers, n, top_k]`) as VRAM hits (the cache's layers count theirs as they place them).
     fn count_resident_routing(&mut self, ids: &[u32]) {
         let n = self.last_block;
         let k = self.config.experts_per_token;
         for (l, layer) in ids.chunks(n * k).enumerate() {
+            if self.weights.layers[l].experts.is_none() {
+                continue;
+            }
             let mut used: Vec<usize> = layer.iter().map(|&e| e as usize).collect();
             used.sort_unstable();
             used.dedup();
@@ -625,7 +628,7 @@ impl<'m> GpuModel<'m> {
                 to_offset: 0,
                 bytes: head_bytes,
             });
-            if let (None, Some(trace)) = (&self.weights.pool, &a.routing_trace) {
+            if let Some(trace) = &a.routing_trace {
                 steps.push(PlanStep::Copy {
                     from: trace.clone(),
                     from_offset: 0,
@@ -790,7 +793,7 @@ impl<'m> GpuModel<'m> {
         self.plans.insert((n, head), plan);
         result?;
         self.last_block = n;
-        if let (None, Some(trace), None) = (&self.weights.pool, &self.act.routing_trace, head) {
+        if let (Some(trace), None) = (&self.act.routing_trace, head) {
             // Blocks without a head have no readback of their own: count their routing here.
             let bytes = (self.weights.layers.len() * n * self.config.experts_per_token * 4) as u64;
             let ids: Vec<u32> =
@@ -973,7 +976,7 @@ impl<'m> GpuModel<'m> {
     /// expert is resident (read in the same mapping).
     fn read_head(&mut self, output: HeadOutput) -> Result<Vec<u8>> {
         let head_bytes = self.head_bytes(output) as usize;
-        let counting = self.weights.pool.is_none() && self.act.routing_trace.is_some();
+        let counting = self.act.routing_trace.is_some();
         let routing_bytes = if counting {
             self.weights.layers.len() * self.last_block * self.config.experts_per_token * 4
         } else {

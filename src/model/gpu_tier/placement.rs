@@ -329,7 +329,9 @@ impl GpuModel<'_> {
             model.score_prediction(PrefetchProxy::A, &guess, &actual);
         }
         let next = l + 1;
+        // Layers with every expert resident have nothing to prefetch.
         if next >= self.weights.layers.len()
+            || self.weights.layers[next].experts.is_some()
             || !(model.prefetch.enabled || model.prefetch.measure_accuracy)
         {
             return Ok(());

@@ -157,10 +157,14 @@ impl<'m> GpuWeights<'m> {
         self.pool.as_ref().map(ExpertPool::slots)
     }
 
-    /// Experts held in VRAM: the cache's slots, or every expert of the GPU's layers.
+    /// Experts held in VRAM: every expert of the resident layers, and the cache's slots.
     pub fn vram_experts(&self) -> usize {
-        self.cached_experts()
-            .unwrap_or(self.layers.len() * self.model.config.num_experts)
+        self.resident_layers() * self.model.config.num_experts + self.cached_experts().unwrap_or(0)
+    }
+
+    /// Layers whose every expert is resident (the first ones): they run without a host sync.
+    pub fn resident_layers(&self) -> usize {
+        self.layers.iter().filter(|l| l.experts.is_some()).count()
     }
 
     /// Waits for this process's other sessions to finish their block on these weights, then
@@ -203,11 +207,14 @@ impl<'m> GpuWeights<'m> {
                 }
             }
         };
+        let experts = cfg.num_experts;
         loop {
             let attempt = if slots >= total {
-                self.upload_all_experts()
+                self.upload_resident_experts(self.layers.len())
             } else {
-                self.make_pool(slots)
+                let whole = resident_layers(slots, experts);
+                self.upload_resident_experts(whole)
+                    .and_then(|()| self.make_pool(slots - whole * experts))
             };
             match attempt {
                 Ok(()) => break,
@@ -222,25 +229,30 @@ impl<'m> GpuWeights<'m> {
                 Err(e) => return Err(e),
             }
         }
-        let cached = self.vram_experts();
-        let bytes = cached as u64 * vram_bytes_per_expert(self.model);
+        let held = self.vram_experts();
+        let bytes = held as u64 * vram_bytes_per_expert(self.model);
         log::info!(
-            "VRAM holds {cached} of {total} experts ({:.2} GB){}",
+            "VRAM holds {held} of {total} experts ({:.2} GB){}",
             bytes as f64 / 1e9,
-            if self.pool.is_some() {
-                format!("; misses: {:?}", options.miss_policy).to_lowercase()
-            } else {
-                String::new()
+            match self.cached_experts() {
+                Some(slots) => format!(
+                    ": every expert of layers 0..{}, a cache of {slots} for the rest (misses: {})",
+                    self.resident_layers(),
+                    format!("{:?}", options.miss_policy).to_lowercase()
+                ),
+                None => String::new(),
             }
         );
         Ok(())
     }
 
-    fn upload_all_experts(&mut self) -> Result<()> {
+    /// Uploads every expert of the first `count` layers.
+    fn upload_resident_experts(&mut self, count: usize) -> Result<()> {
         let weights = &self.model.weights;
         let (ctx, layers) = (&self.ctx, &mut self.layers);
         catching_oom(&ctx.device, "every expert", || {
-            for (l, (layer, w)) in layers.iter_mut().zip(&weights.layers).enumerate() {
+            let pairs = layers.iter_mut().zip(&weights.layers).take(count);
+            for (l, (layer, w)) in pairs.enumerate() {
                 let name = |s: &str| format!("layer {l} {s}");
                 layer.experts = Some(ResidentExperts {
                     gate_up: GpuExperts::upload(ctx, &name("gate_up"), &w.gate_up)?,
@@ -273,6 +285,16 @@ impl<'m> GpuWeights<'m> {
         self.pool = Some(pool);
         Ok(())
     }
+}
+
+/// How many whole layers of `experts` experts a VRAM budget of `slots` experts (less than every
+/// layer's) holds resident, the rest of it caching the other layers' experts. A resident layer
+/// needs no routing readback; under routing spread evenly over the experts, the misses of the
+/// other layers are about the same whether the budget goes to whole layers or to cache slots,
+/// so whole layers win on syncs. One layer's worth of slots stays in the cache so that a prompt
+/// block can still upload every expert a layer chooses.
+fn resident_layers(slots: usize, experts: usize) -> usize {
+    slots.saturating_sub(experts) / experts.max(1)
 }
 
 /// Uploads layer `l`'s dense weights (its experts come later).
