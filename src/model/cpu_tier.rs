@@ -326,7 +326,6 @@ impl Tier for CpuTier<'_> {
                 *next += 1;
             }
         };
-        let weights = &model.weights.layers[layer];
         // With one thread, each expert is computed in turn while the IO threads read ahead.
         let one_thread = rayon::current_num_threads() == 1;
         rayon::scope(|scope| -> Result<()> {
@@ -346,7 +345,7 @@ impl Tier for CpuTier<'_> {
                     for &(t, _) in &users {
                         xs.extend_from_slice(&x[t * h..(t + 1) * h]);
                     }
-                    let down = model.run_expert(weights, e, &expert, &xs);
+                    let down = model.run_expert(layer, e, &expert, &xs);
                     finish(i, (users, down));
                 };
                 if one_thread {

@@ -142,17 +142,19 @@ pub struct CpuSession<'a> {
 
 impl<'a> CpuSession<'a> {
     pub fn new(model: &'a Model, context: usize) -> CpuSession<'a> {
-        CpuSession {
-            model,
-            cache: model.new_cache(context),
-        }
+        CpuSession::with_layout(model, context, false)
     }
 
     /// A session whose cache keeps every position, so that it can be cut back anywhere.
     pub fn keeping_all(model: &'a Model, context: usize) -> CpuSession<'a> {
+        CpuSession::with_layout(model, context, true)
+    }
+
+    /// `keeping_all` when `keep_all`, else `new`.
+    pub fn with_layout(model: &'a Model, context: usize, keep_all: bool) -> CpuSession<'a> {
         CpuSession {
             model,
-            cache: KvCache::keeping_all(&model.config, context),
+            cache: KvCache::with_layout(&model.config, context, keep_all),
         }
     }
 }
@@ -248,7 +250,7 @@ impl<'a> FallbackSession<'a> {
             context,
             keep_all,
             gpu: None,
-            cpu: Some(new_cpu_session(model, context, keep_all)),
+            cpu: Some(CpuSession::with_layout(model, context, keep_all)),
             history: Vec::new(),
         }
     }
@@ -260,14 +262,6 @@ impl<'a> FallbackSession<'a> {
 
     pub fn gpu_mut(&mut self) -> Option<&mut GpuModel<'a>> {
         self.gpu.as_mut()
-    }
-}
-
-fn new_cpu_session(model: &Model, context: usize, keep_all: bool) -> CpuSession<'_> {
-    if keep_all {
-        CpuSession::keeping_all(model, context)
-    } else {
-        CpuSession::new(model, context)
     }
 }
 
@@ -423,7 +417,7 @@ impl FallbackSession<'_> {
                         "GPU: {message}; continuing on the CPU tier for the rest of the run"
                     );
                     self.gpu = None;
-                    let mut cpu = new_cpu_session(self.model, self.context, self.keep_all);
+                    let mut cpu = CpuSession::with_layout(self.model, self.context, self.keep_all);
                     if !self.history.is_empty() {
                         // On failure no CPU session is kept: every later feed fails too.
                         cpu.feed(&self.history, 0)?;
@@ -460,7 +454,11 @@ impl Session for FallbackSession<'_> {
             // The CPU tier could not take over (its replay failed): an empty session can start
             // again.
             (None, None) if keep == 0 => {
-                self.cpu = Some(new_cpu_session(self.model, self.context, self.keep_all));
+                self.cpu = Some(CpuSession::with_layout(
+                    self.model,
+                    self.context,
+                    self.keep_all,
+                ));
             }
             (None, None) => {}
         }

@@ -305,15 +305,6 @@ fn cache_table<'t>(table: &'t mut Option<&mut SlotTable>) -> Result<&'t mut Slot
         .ok_or_else(|| Error::Gpu("no VRAM expert cache".into()))
 }
 
-/// The KV cache of the layers the CPU tier runs after the GPU's.
-fn new_cpu_cache(cfg: &Config, options: &GpuTierOptions) -> super::KvCache {
-    if options.keep_all_positions {
-        super::KvCache::keeping_all(cfg, options.context)
-    } else {
-        super::KvCache::new(cfg, options.context)
-    }
-}
-
 impl<'m> GpuModel<'m> {
     /// Uploads the model's weights (`GpuWeights::load`) and opens a session on them alone.
     pub fn new(ctx: GpuContext, model: &'m Model, options: GpuTierOptions) -> Result<GpuModel<'m>> {
@@ -440,7 +431,9 @@ impl<'m> GpuModel<'m> {
                     }
                 })
                 .collect(),
-            cpu_cache: (gpu_layers < cfg.num_layers).then(|| new_cpu_cache(cfg, &options)),
+            cpu_cache: (gpu_layers < cfg.num_layers).then(|| {
+                super::KvCache::with_layout(cfg, options.context, options.keep_all_positions)
+            }),
             cpu_last_hidden: Vec::new(),
             config: cfg.clone(),
             options,
@@ -1075,7 +1068,11 @@ impl<'m> GpuModel<'m> {
     pub fn reset(&mut self) {
         self.len = 0;
         if let Some(cache) = &mut self.cpu_cache {
-            *cache = new_cpu_cache(&self.config, &self.options);
+            *cache = super::KvCache::with_layout(
+                &self.config,
+                self.options.context,
+                self.options.keep_all_positions,
+            );
         }
     }
 

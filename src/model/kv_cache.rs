@@ -57,6 +57,15 @@ impl KvCache {
         cache
     }
 
+    /// `keeping_all` when `keep_all` (a session that may cut back anywhere), else `new`.
+    pub fn with_layout(cfg: &Config, context: usize, keep_all: bool) -> KvCache {
+        if keep_all {
+            KvCache::keeping_all(cfg, context)
+        } else {
+            KvCache::new(cfg, context)
+        }
+    }
+
     /// Forgets positions `len..`. False (and nothing changes) when a sliding layer's ring may
     /// already have overwritten positions before `len` that its queries would see; a cache from
     /// `keeping_all` can always be cut.

@@ -14,6 +14,7 @@ use std::path::Path;
 
 use rayon::prelude::*;
 
+use crate::arch::Activation;
 use crate::config::Config;
 use crate::cpu::matmul::{dense_matmul, expert_matmul_as};
 use crate::cpu::moe::{Routing, clamped_swiglu, route};
@@ -21,7 +22,7 @@ use crate::cpu::norm::rms_norm;
 use crate::cpu::rope::RopeTable;
 use crate::error::Result;
 use crate::experts::{ExpertData, ExpertStore, RamBudget};
-use crate::weights::{Checkpoint, LayerWeights, ModelWeights};
+use crate::weights::{Checkpoint, ModelWeights};
 pub use kv_cache::KvCache;
 
 /// Values of one layer at every position of a block, for comparison with a reference.
@@ -498,14 +499,14 @@ impl Model {
 
     /// Router `l`'s choice for each row of `x` (`[n, hidden]`).
     pub fn route_tokens(&self, l: usize, x: &[f32]) -> Vec<Routing> {
-        let cfg = &self.config;
+        let spec = &self.layer_specs[l].router;
         let layer = &self.weights.layers[l];
-        let n = x.len() / cfg.hidden_size;
-        let mut logits = vec![0f32; n * cfg.num_experts];
+        let n = x.len() / self.config.hidden_size;
+        let mut logits = vec![0f32; n * spec.experts];
         dense_matmul(&layer.router, x, Some(&layer.router_bias), &mut logits);
         logits
-            .chunks_exact(cfg.num_experts)
-            .map(|l| route(l, cfg.experts_per_token))
+            .chunks_exact(spec.experts)
+            .map(|l| route(l, spec.top_k))
             .collect()
     }
 
@@ -582,17 +583,12 @@ impl Model {
         (s > 0).then(|| h as f64 / s as f64)
     }
 
-    /// Expert `e` of `layer` (weights in `expert`) applied to the rows of `xs`, bias included
+    /// Expert `e` of layer `l` (weights in `expert`) applied to the rows of `xs`, bias included
     /// and routing weight not: `[rows, hidden]`.
-    pub fn run_expert(
-        &self,
-        layer: &LayerWeights,
-        e: usize,
-        expert: &ExpertData,
-        xs: &[f32],
-    ) -> Vec<f32> {
-        let cfg = &self.config;
-        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    pub fn run_expert(&self, l: usize, e: usize, expert: &ExpertData, xs: &[f32]) -> Vec<f32> {
+        let (layer, spec) = (&self.weights.layers[l], &self.layer_specs[l].experts);
+        let Activation::ClampedSwiglu { alpha, limit } = spec.activation;
+        let (h, i) = (spec.hidden, spec.intermediate);
         let m = xs.len() / h;
         let mut gate_up = vec![0f32; m * 2 * i];
         let gate_up_bias = &layer.gate_up_bias[e * 2 * i..(e + 1) * 2 * i];
@@ -601,7 +597,7 @@ impl Model {
         };
         product(&expert.gate_up, xs, gate_up_bias, &mut gate_up);
         let mut activated = vec![0f32; m * i];
-        clamped_swiglu(&gate_up, cfg.swiglu_alpha, cfg.swiglu_limit, &mut activated);
+        clamped_swiglu(&gate_up, alpha, limit, &mut activated);
         let mut down = vec![0f32; m * h];
         let down_bias = &layer.down_bias[e * h..(e + 1) * h];
         product(&expert.down, &activated, down_bias, &mut down);

@@ -452,7 +452,6 @@ impl GpuModel<'_> {
             self.config.hidden_size,
             self.config.experts_per_token,
         );
-        let layer = &model.weights.layers[misses.layer];
         let queue = &self.weights.ctx.queue;
         for (e, request) in misses.experts {
             let expert: Arc<ExpertData> = model.experts.wait(request)?;
@@ -463,7 +462,7 @@ impl GpuModel<'_> {
                 .iter()
                 .flat_map(|&p| misses.x[(p / k) * h..(p / k + 1) * h].to_vec())
                 .collect();
-            let out = model.run_expert(layer, e, &expert, &xs);
+            let out = model.run_expert(misses.layer, e, &expert, &xs);
             for (row, &p) in out.chunks_exact(h).zip(&pairs) {
                 let offset = (p * h * 4) as u64;
                 queue.write_buffer(&self.act.down, offset, bytemuck::cast_slice(row));
