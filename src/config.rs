@@ -178,7 +178,14 @@ impl Config {
                     path: generation.clone(),
                     msg: e.to_string(),
                 })?;
-            for id in TokenIds::flatten(parsed.eos_token_id) {
+            let ids = TokenIds::flatten(parsed.eos_token_id);
+            check_token_ids("eos_token_id", &ids, config.vocab_size).map_err(|msg| {
+                Error::Config {
+                    path: generation.clone(),
+                    msg,
+                }
+            })?;
+            for id in ids {
                 if !config.eos_token_ids.contains(&id) {
                     config.eos_token_ids.push(id);
                 }
@@ -189,6 +196,7 @@ impl Config {
 
     /// Reads a config file by its path (tests, tools).
     pub fn load_file(path: &Path) -> Result<Config> {
+        crate::weights::require_regular_file(path)?;
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         Config::from_json(&text, path)
     }
@@ -232,6 +240,7 @@ impl Config {
             ("num_local_experts", raw.num_local_experts),
             ("num_experts_per_tok", raw.num_experts_per_tok),
             ("vocab_size", raw.vocab_size),
+            ("max_position_embeddings", raw.max_position_embeddings),
         ] {
             if value == 0 {
                 return Err(format!("{name} must be positive"));
@@ -304,6 +313,7 @@ impl Config {
         }
         let rope = resolve_rope(&raw, head_dim)?;
         let eos_token_ids = TokenIds::flatten(raw.eos_token_id.clone());
+        check_token_ids("eos_token_id", &eos_token_ids, raw.vocab_size)?;
         let quant_method = raw
             .quantization_config
             .as_ref()
@@ -348,6 +358,16 @@ impl Config {
 
     pub fn kv_dim(&self) -> usize {
         self.num_kv_heads * self.head_dim
+    }
+}
+
+/// Stop tokens must be ids of the vocabulary (else generation could never stop on them).
+fn check_token_ids(key: &str, ids: &[u32], vocab_size: usize) -> std::result::Result<(), String> {
+    match ids.iter().find(|&&id| id as usize >= vocab_size) {
+        Some(id) => Err(format!(
+            "{key} {id} is beyond the vocabulary (vocab_size {vocab_size})"
+        )),
+        None => Ok(()),
     }
 }
 
@@ -410,6 +430,10 @@ fn resolve_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<Rope, S
             }
             let factor =
                 number(&params, "factor")?.unwrap_or(raw.max_position_embeddings as f64 / original);
+            // transformers divides by it: 0 or less gives infinite or negative frequencies.
+            if !(factor.is_finite() && factor > 0.0) {
+                return Err(format!("rope factor ({factor}) must be a positive number"));
+            }
             let mscale_of = |scale: f64, mscale: f64| {
                 if scale <= 1.0 {
                     1.0
@@ -428,6 +452,11 @@ fn resolve_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<Rope, S
                     }
                 }
             };
+            if !(attention_factor.is_finite() && attention_factor > 0.0) {
+                return Err(format!(
+                    "rope attention_factor ({attention_factor}) must be a positive number"
+                ));
+            }
             // `or` in Python: 0 or absent falls back to the paper's defaults.
             let beta_fast = number(&params, "beta_fast")?
                 .filter(|b| *b != 0.0)
@@ -442,6 +471,11 @@ fn resolve_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<Rope, S
                 Some(Value::Bool(b)) => *b,
                 Some(v) => return Err(format!("rope parameter truncate is not a bool: {v}")),
             };
+            if !(beta_fast.is_finite() && beta_slow.is_finite()) {
+                return Err(format!(
+                    "rope beta_fast ({beta_fast}) and beta_slow ({beta_slow}) must be finite"
+                ));
+            }
             let dim = head_dim as f64;
             let correction_dim = |rotations: f64| {
                 dim * (original / (rotations * 2.0 * std::f64::consts::PI)).ln()

@@ -68,6 +68,11 @@ pub enum Error {
 
     #[error("{path}: {message}")]
     Format { path: PathBuf, message: String },
+
+    #[error(
+        "the logits after {positions} positions are not finite (NaN or infinity), first in {origin}: the checkpoint's weights or config.json produce them"
+    )]
+    NonFinite { positions: usize, origin: String },
 }
 
 impl Error {

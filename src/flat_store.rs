@@ -144,6 +144,15 @@ impl FlatExperts {
     pub fn open(dir: &Path, cfg: &Config) -> Result<Option<FlatExperts>> {
         let index_path = dir.join(INDEX_FILE);
         if !index_path.exists() {
+            if dir.join(RECORDS_FILE).exists() {
+                // The index is written last: records without it are a conversion cut short.
+                return Err(Error::Format {
+                    path: index_path,
+                    message: format!(
+                        "missing beside {RECORDS_FILE}: a half-written conversion (convert again)"
+                    ),
+                });
+            }
             return Ok(None);
         }
         let text = std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
@@ -194,13 +203,23 @@ impl FlatExperts {
         // Safety: the records are only read; picchio never writes a file it has mapped, and a
         // file truncated under a running process is outside what any mmap reader can guard.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&records_path, e))?;
-        let needed = (index.layers * index.experts * index.record_stride) as u64;
-        if (map.len() as u64) < needed {
+        // Every record must lie in the file before any is read (the stride comes from the index).
+        let needed = (index.layers * index.experts)
+            .checked_mul(index.record_stride)
+            .ok_or_else(|| {
+                bad(format!(
+                    "record_stride {} puts the records beyond any file",
+                    index.record_stride
+                ))
+            })?;
+        if map.len() < needed {
             return Err(Error::Format {
                 path: records_path,
                 message: format!(
-                    "{} bytes, but the index describes {needed} (a short file)",
-                    map.len()
+                    "{} bytes, but the index's record_stride ({}) for {} records describes {needed} (a short file or a wrong record_stride)",
+                    map.len(),
+                    index.record_stride,
+                    index.layers * index.experts
                 ),
             });
         }
@@ -364,14 +383,75 @@ pub fn convert(
     model_dir: &Path,
     out: &Path,
     format: FlatFormat,
+    overwrite: bool,
     progress: &dyn Fn(u64),
 ) -> Result<ConvertReport> {
     crate::weights::require_dir(model_dir)?;
-    crate::synth::require_empty_dir(out)?;
+    if !overwrite {
+        crate::synth::require_empty_dir(out)?;
+    }
     let cfg = Config::load(model_dir)?;
     let ck = Checkpoint::open(model_dir)?;
     let weights = ModelWeights::load(&ck, &cfg)?;
-    std::fs::create_dir_all(out).map_err(|e| Error::io(out, e))?;
+    // Written beside `out` and renamed when complete: an interrupted run leaves no `out` to
+    // mistake for a store, and its leftovers are removed by the next run.
+    let partial = partial_dir(out)?;
+    if partial.exists() {
+        log::warn!(
+            "removing {}: a conversion that did not finish",
+            partial.display()
+        );
+        std::fs::remove_dir_all(&partial).map_err(|e| Error::io(&partial, e))?;
+    }
+    std::fs::create_dir_all(&partial).map_err(|e| Error::io(&partial, e))?;
+    let marker = partial.join(PARTIAL_MARKER);
+    std::fs::write(
+        &marker,
+        "picchio convert did not finish writing this directory\n",
+    )
+    .map_err(|e| Error::io(&marker, e))?;
+    let written = write_store(model_dir, &ck, &cfg, &weights, &partial, format, progress);
+    let report = match written {
+        Ok(report) => report,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&partial);
+            return Err(e);
+        }
+    };
+    std::fs::remove_file(&marker).map_err(|e| Error::io(&marker, e))?;
+    if overwrite && out.exists() {
+        std::fs::remove_dir_all(out).map_err(|e| Error::io(out, e))?;
+    }
+    std::fs::rename(&partial, out).map_err(|e| Error::io(out, e))?;
+    Ok(report)
+}
+
+/// Marks a directory `convert` is still writing (`Checkpoint::open` refuses one).
+pub const PARTIAL_MARKER: &str = "CONVERTING";
+
+/// Where `convert` writes `out` before renaming it: a hidden sibling.
+fn partial_dir(out: &Path) -> Result<PathBuf> {
+    let name = out.file_name().ok_or_else(|| {
+        Error::InvalidArgument(format!("{} does not name a directory", out.display()))
+    })?;
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty());
+    let mut hidden = std::ffi::OsString::from(".");
+    hidden.push(name);
+    hidden.push(".partial");
+    Ok(parent.unwrap_or(Path::new(".")).join(hidden))
+}
+
+/// Writes the converted store into `out` (an empty directory): config files, the dense tensors,
+/// the expert records and their index.
+fn write_store(
+    model_dir: &Path,
+    ck: &Checkpoint,
+    cfg: &Config,
+    weights: &ModelWeights,
+    out: &Path,
+    format: FlatFormat,
+    progress: &dyn Fn(u64),
+) -> Result<ConvertReport> {
     for name in ["config.json", "generation_config.json"] {
         let from = model_dir.join(name);
         if from.exists() {
@@ -409,7 +489,7 @@ pub fn convert(
     })?;
 
     // Expert records.
-    let mut index = FlatIndex::layout(format, &cfg);
+    let mut index = FlatIndex::layout(format, cfg);
     let records_path = out.join(RECORDS_FILE);
     let file = std::fs::File::create(&records_path).map_err(|e| Error::io(&records_path, e))?;
     let mut writer = std::io::BufWriter::with_capacity(8 << 20, file);
@@ -439,6 +519,12 @@ pub fn convert(
     let index_path = out.join(INDEX_FILE);
     let text = serde_json::to_string_pretty(&index).expect("the index serializes");
     std::fs::write(&index_path, text).map_err(|e| Error::io(&index_path, e))?;
+    // safetensors writes through a private temporary file: give the tensors the permissions
+    // every other file here got.
+    let usual = std::fs::metadata(&records_path)
+        .map_err(|e| Error::io(&records_path, e))?
+        .permissions();
+    std::fs::set_permissions(&dense_path, usual).map_err(|e| Error::io(&dense_path, e))?;
     Ok(ConvertReport {
         records_bytes: (index.hashes.len() * index.record_stride) as u64,
         index,

@@ -160,7 +160,7 @@ struct PromptArgs {
     /// Most tokens to generate.
     #[arg(long, default_value_t = 32, value_name = "N")]
     max_new_tokens: usize,
-    /// Most positions (prompt + generated) the KV cache holds; default: the model's
+    /// Most positions (prompt + generated) the KV cache holds; default (and most): the model's
     /// max_position_embeddings.
     #[arg(long, value_name = "N")]
     context: Option<usize>,
@@ -511,9 +511,12 @@ enum Command {
         /// Checkpoint directory to convert.
         #[arg(long, value_name = "DIR")]
         model: PathBuf,
-        /// Directory to write (new or empty).
+        /// Directory to write (new or empty, unless --force).
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
+        /// Replace --out's contents once the conversion is complete.
+        #[arg(long)]
+        force: bool,
         /// mxfp4: the checkpoint's MXFP4 bytes, bit for bit; int4: group-scaled INT4 (32 inputs
         /// per f16 scale), quantized from the exact weights (lossy).
         #[arg(long, default_value = "mxfp4", value_name = "mxfp4|int4")]
@@ -909,7 +912,8 @@ fn run(cli: Cli) -> Result<()> {
             model,
             out,
             experts,
-        } => convert(&model, &out, experts),
+            force,
+        } => convert(&model, &out, experts, force),
         Command::Verify { model } => verify(&model),
     }
 }
@@ -934,10 +938,19 @@ fn session_context(model: &Model, context: Option<usize>) -> Result<usize> {
     )
 }
 
+/// `--context`, else the model's max_position_embeddings; a larger value is clamped to it (with
+/// a warning): positions past it are outside what the model was trained for.
 fn resolve_context(model: &Model, context: Option<usize>) -> Result<usize> {
-    let context = context.unwrap_or(model.config.max_position_embeddings);
+    let most = model.config.max_position_embeddings;
+    let context = context.unwrap_or(most);
     if context == 0 {
         bail!("--context must be at least 1");
+    }
+    if context > most {
+        log::warn!(
+            "--context {context} is beyond the model's max_position_embeddings; using {most}"
+        );
+        return Ok(most);
     }
     Ok(context)
 }
@@ -1162,6 +1175,7 @@ fn convert(
     model: &std::path::Path,
     out: &std::path::Path,
     format: picchio::flat_store::FlatFormat,
+    force: bool,
 ) -> Result<()> {
     let config = picchio::Config::load(model)?;
     let bar = indicatif::ProgressBar::new((config.num_layers * config.num_experts) as u64);
@@ -1170,7 +1184,7 @@ fn convert(
             .expect("a valid template"),
     );
     let started = std::time::Instant::now();
-    let report = picchio::flat_store::convert(model, out, format, &|n| bar.inc(n))?;
+    let report = picchio::flat_store::convert(model, out, format, force, &|n| bar.inc(n))?;
     bar.finish_and_clear();
     log::info!(
         "wrote {} dense tensors ({}) and {} {:?} expert records of {} bytes ({}) to {} in {:.1} s",

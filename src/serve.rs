@@ -245,6 +245,39 @@ fn content_text(content: &Value) -> std::result::Result<String, String> {
 /// become the developer's instructions (Harmony's system message carries the model identity,
 /// date and reasoning effort), tools the developer's function namespace, assistant tool calls
 /// and tool results their Harmony forms.
+/// `tool_choice` as served: absent, "auto" or "none". A forced call ("required", or a named
+/// function) is refused rather than ignored, and a named function must be one of `tools`.
+fn check_tool_choice(choice: Option<&Value>, tools: &[Value]) -> std::result::Result<(), String> {
+    let Some(choice) = choice else {
+        return Ok(());
+    };
+    match choice {
+        Value::String(mode) if mode == "auto" || mode == "none" => Ok(()),
+        Value::String(mode) if mode == "required" => {
+            Err("tool_choice \"required\" is not served yet (use \"auto\")".into())
+        }
+        Value::Object(object) if object.get("type") == Some(&json!("function")) => {
+            let name = object["function"]["name"]
+                .as_str()
+                .ok_or("tool_choice of type function needs function.name")?;
+            let listed = tools
+                .iter()
+                .any(|t| t["function"]["name"].as_str() == Some(name));
+            if !listed {
+                return Err(format!(
+                    "tool_choice names function {name:?}, which is not in tools"
+                ));
+            }
+            Err(format!(
+                "forcing a call of {name:?} (tool_choice) is not served yet (use \"auto\")"
+            ))
+        }
+        other => Err(format!(
+            "tool_choice must be \"auto\", \"none\", \"required\" or a function, not {other}"
+        )),
+    }
+}
+
 fn conversation(request: &ChatRequest) -> std::result::Result<Conversation, String> {
     let mut instructions = Vec::new();
     let mut messages = Vec::new();
@@ -317,6 +350,7 @@ fn conversation(request: &ChatRequest) -> std::result::Result<Conversation, Stri
     if messages.is_empty() {
         return Err("messages must hold at least one user message".into());
     }
+    check_tool_choice(request.tool_choice.as_ref(), &request.tools)?;
     let tool_choice_none = request.tool_choice.as_ref().and_then(Value::as_str) == Some("none");
     let mut tools = Vec::new();
     if !tool_choice_none {

@@ -399,6 +399,29 @@ pub(crate) fn require_dir(dir: &Path) -> Result<()> {
     ))
 }
 
+/// Fails unless `path` is a regular file (or a link to one): opening a FIFO blocks until a
+/// writer comes, and a directory or device cannot be mapped.
+pub(crate) fn require_regular_file(path: &Path) -> Result<()> {
+    let kind = std::fs::metadata(path)
+        .map_err(|e| Error::io(path, e))?
+        .file_type();
+    if kind.is_file() {
+        return Ok(());
+    }
+    let what = if kind.is_dir() {
+        "a directory"
+    } else {
+        "a FIFO, socket or device"
+    };
+    Err(Error::io(
+        path,
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{what}, not a regular file"),
+        ),
+    ))
+}
+
 const INDEX_FILE: &str = "model.safetensors.index.json";
 const SINGLE_FILE: &str = "model.safetensors";
 
@@ -406,6 +429,12 @@ impl Checkpoint {
     /// Opens every shard of the checkpoint in `dir` and reads their headers.
     pub fn open(dir: &Path) -> Result<Checkpoint> {
         require_dir(dir)?;
+        if dir.join(crate::flat_store::PARTIAL_MARKER).exists() {
+            return Err(Error::InvalidArgument(format!(
+                "{} is a half-written picchio convert output (the conversion did not finish): convert again",
+                dir.display()
+            )));
+        }
         let index_path = dir.join(INDEX_FILE);
         let (files, weight_map) = if index_path.is_file() {
             let (files, map) = read_index(&index_path)?;
@@ -437,6 +466,7 @@ impl Checkpoint {
         let mut tensors = BTreeMap::new();
         for (shard_index, file) in files.iter().enumerate() {
             let path = dir.join(file);
+            require_regular_file(&path)?;
             let handle = File::open(&path).map_err(|e| Error::io(&path, e))?;
             // SAFETY: the mapping is read-only and private to this process. A checkpoint file
             // modified or truncated by another process while mapped is outside what we can guard

@@ -488,3 +488,224 @@ fn q8_and_thread_options_run_through_the_cli() {
     assert_eq!(report["steps"], 16);
     assert!(report["agreeing"].as_u64().unwrap() <= 16);
 }
+
+/// config.json values that would give garbage rather than an error are rejected at load, named.
+#[test]
+fn invalid_rope_stop_token_and_position_values_are_named() {
+    let cases = [
+        (
+            "\"factor\": 32.0",
+            "\"factor\": 0",
+            "rope factor (0) must be a positive number",
+        ),
+        (
+            "\"factor\": 32.0",
+            "\"factor\": -5",
+            "rope factor (-5) must be a positive number",
+        ),
+        (
+            "\"eos_token_id\": 2",
+            "\"eos_token_id\": 256",
+            "eos_token_id 256 is beyond the vocabulary (vocab_size 256)",
+        ),
+        (
+            "\"max_position_embeddings\": 131072",
+            "\"max_position_embeddings\": 0",
+            "max_position_embeddings must be positive",
+        ),
+    ];
+    for (from, to, needle) in cases {
+        let dir = copy_fixture("tiny-single");
+        let path = dir.path().join("config.json");
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(text.contains(from), "{from}");
+        std::fs::write(&path, text.replace(from, to)).unwrap();
+        rejects(dir.path(), "1,2", &[], &["config.json", needle]);
+    }
+    let dir = copy_fixture("tiny-single");
+    let generation = dir.path().join("generation_config.json");
+    std::fs::write(&generation, r#"{"eos_token_id": [2, 300]}"#).unwrap();
+    rejects(
+        dir.path(),
+        "1,2",
+        &[],
+        &[
+            "generation_config.json",
+            "eos_token_id 300 is beyond the vocabulary",
+        ],
+    );
+}
+
+/// NaN or infinity in a weight stops generation (no token printed, non-zero exit) with an error
+/// naming where the non-finite values first appear, on every backend.
+#[test]
+fn non_finite_weights_stop_generation_naming_where_they_appear() {
+    const NAN: [u8; 2] = 0x7fc0u16.to_le_bytes();
+    const INFINITY: [u8; 2] = 0x7f80u16.to_le_bytes();
+    let cases = [
+        ("lm_head.weight", NAN, "the head"),
+        ("model.embed_tokens.weight", INFINITY, "the embeddings"),
+        (
+            "model.layers.1.self_attn.q_proj.weight",
+            NAN,
+            "layer 1's attention",
+        ),
+        ("model.layers.0.mlp.router.weight", NAN, "layer 0's router"),
+    ];
+    for (name, value, origin) in cases {
+        let dir = rewritten_fixture(&fixtures_dir().join("tiny-single"), |ts| {
+            let t = ts.iter_mut().find(|t| t.name == name).unwrap();
+            assert_eq!(t.dtype, Dtype::BF16, "{name}");
+            for element in t.data.chunks_exact_mut(2) {
+                element.copy_from_slice(&value);
+            }
+        });
+        for backend in backends() {
+            rejects(
+                dir.path(),
+                "1,2,3",
+                &["--backend", backend],
+                &["not finite (NaN or infinity)", origin],
+            );
+        }
+    }
+}
+
+/// `--context` beyond the model's positions is clamped to them (and said so); `--threads` far
+/// beyond the CPUs is clamped too, and the run finishes.
+#[test]
+fn context_and_threads_beyond_the_machine_are_clamped() {
+    let dir = fixtures_dir().join("tiny-single");
+    let dir = dir.to_str().unwrap();
+    let (ok, stdout, stderr) = picchio(&[
+        "generate",
+        "--model",
+        dir,
+        "--ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "2",
+        "--backend",
+        "cpu",
+        "--context",
+        "1000000000000",
+        "--threads",
+        "100000",
+    ]);
+    assert!(ok, "{stderr}");
+    assert_eq!(stdout.split_whitespace().count(), 2, "{stdout}");
+    assert!(stderr.contains("using 131072"), "{stderr}");
+    assert!(stderr.contains("--threads 100000"), "{stderr}");
+}
+
+/// A converted store whose index gives a record stride past the records file is refused before
+/// any read, naming the field, by `verify` and by `generate`.
+#[test]
+fn crafted_record_stride_is_refused_before_any_read() {
+    let store = tempfile::tempdir().unwrap();
+    let out = store.path().join("flat");
+    let source = fixtures_dir().join("tiny-single");
+    let (ok, _, stderr) = picchio(&[
+        "convert",
+        "--model",
+        source.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    let index_path = out.join("experts.json");
+    let mut index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&index_path).unwrap()).unwrap();
+    for stride in [4096u64 << 50, 4096 * 1000] {
+        index["record_stride"] = stride.into();
+        std::fs::write(&index_path, index.to_string()).unwrap();
+        let (ok, stdout, stderr) = picchio(&["verify", "--model", out.to_str().unwrap()]);
+        assert!(!ok && stdout.is_empty(), "{stdout}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+        assert!(stderr.contains("record_stride"), "{stderr}");
+        rejects(&out, "1,2", &[], &["experts.", "record_stride"]);
+    }
+}
+
+/// A model.safetensors that is a FIFO or a directory is a clear error, not a hang or "No such
+/// device".
+#[cfg(unix)]
+#[test]
+fn checkpoint_files_that_are_not_regular_files_are_named() {
+    for make in ["fifo", "directory"] {
+        let dir = copy_fixture("tiny-single");
+        let file = dir.path().join("model.safetensors");
+        std::fs::remove_file(&file).unwrap();
+        match make {
+            "fifo" => assert!(
+                Command::new("mkfifo")
+                    .arg(&file)
+                    .status()
+                    .unwrap()
+                    .success()
+            ),
+            _ => std::fs::create_dir(&file).unwrap(),
+        }
+        rejects(
+            dir.path(),
+            "1,2",
+            &[],
+            &["model.safetensors", "not a regular file"],
+        );
+    }
+}
+
+/// `convert` writes beside its output and renames when done: the leftovers of an interrupted
+/// run are removed by the next, a half-written directory is refused as such, `--force`
+/// replaces an output, and every file gets the usual permissions.
+#[test]
+fn interrupted_conversions_are_recognised_and_retried() {
+    let source = fixtures_dir().join("tiny-single");
+    let work = tempfile::tempdir().unwrap();
+    let out = work.path().join("flat");
+    let partial = work.path().join(".flat.partial");
+    // What a run killed mid-way leaves: the marked sibling, a temporary file in it.
+    std::fs::create_dir(&partial).unwrap();
+    for name in ["config.json", "model.safetensors"] {
+        std::fs::copy(source.join(name), partial.join(name)).unwrap();
+    }
+    std::fs::write(partial.join("CONVERTING"), "").unwrap();
+    std::fs::write(partial.join(".tmpK1ll3d"), b"partial bytes").unwrap();
+    std::fs::write(partial.join("experts.bin"), b"short").unwrap();
+    rejects(&partial, "1,2", &[], &["half-written", "convert again"]);
+    std::fs::remove_file(partial.join("CONVERTING")).unwrap();
+    rejects(&partial, "1,2", &[], &["experts.json", "half-written"]);
+
+    let convert = |extra: &[&str]| {
+        let mut args = vec![
+            "convert",
+            "--model",
+            source.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        picchio(&args)
+    };
+    let (ok, _, stderr) = convert(&[]);
+    assert!(ok, "{stderr}");
+    assert!(!partial.exists(), "the leftovers are gone");
+    let (ok, stdout, stderr) = picchio(&["verify", "--model", out.to_str().unwrap()]);
+    assert!(ok, "{stdout}{stderr}");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |name: &str| {
+            let metadata = std::fs::metadata(out.join(name)).unwrap();
+            metadata.permissions().mode() & 0o777
+        };
+        assert_eq!(mode("model.safetensors"), mode("experts.json"));
+        assert_eq!(mode("model.safetensors"), mode("experts.bin"));
+    }
+    let (ok, _, stderr) = convert(&[]);
+    assert!(!ok && stderr.contains("not empty"), "{stderr}");
+    let (ok, _, stderr) = convert(&["--force"]);
+    assert!(ok, "{stderr}");
+    let (ok, _, stderr) = picchio(&["verify", "--model", out.to_str().unwrap()]);
+    assert!(ok, "{stderr}");
+}

@@ -17,7 +17,7 @@ use picchio::model::{KvCache, ModelOptions};
 
 fn converted(dir: &std::path::Path, format: FlatFormat) -> tempfile::TempDir {
     let out = tempfile::tempdir().unwrap();
-    convert(dir, out.path(), format, &|_| {}).unwrap();
+    convert(dir, out.path(), format, false, &|_| {}).unwrap();
     out
 }
 
@@ -215,7 +215,7 @@ fn damaged_or_mismatched_stores_are_clear_errors() {
     .unwrap()
     .to_string();
     assert!(error.contains("convert"), "{error}");
-    let error = convert(&dir, out.path(), FlatFormat::Mxfp4, &|_| {})
+    let error = convert(&dir, out.path(), FlatFormat::Mxfp4, false, &|_| {})
         .unwrap_err()
         .to_string();
     assert!(error.contains("not empty"), "{error}");
@@ -224,6 +224,7 @@ fn damaged_or_mismatched_stores_are_clear_errors() {
         &fixtures_dir().join("tiny-unquantized"),
         &fresh.path().join("x"),
         FlatFormat::Mxfp4,
+        false,
         &|_| {},
     )
     .unwrap_err()

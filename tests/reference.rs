@@ -317,7 +317,11 @@ fn generation_stops_at_eos_unless_ignored() {
     let dir = copy_fixture("tiny-long");
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
-    config["eos_token_id"] = serde_json::json!([9999, eos]);
+    // A list: another stop id (one greedy decoding never emits) before it.
+    let never = (0u32..)
+        .find(|id| !reference.generated_ids.contains(id))
+        .unwrap();
+    config["eos_token_id"] = serde_json::json!([never, eos]);
     std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
 
     let model = Model::load(dir.path()).unwrap();

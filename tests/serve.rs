@@ -249,6 +249,14 @@ fn bad_requests_get_openai_errors_and_leave_the_server_working() {
     }
 }
 
+/// A chat request offering one tool, with `tool_choice`.
+fn with_tool_choice(choice: Value) -> String {
+    json!({"messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}],
+        "tool_choice": choice})
+    .to_string()
+}
+
 fn bad_requests_on(backend: &str) {
     let s = server(&["--backend", backend, "--context", "128"]);
     let (_, before) = post(s.port, "/v1/chat/completions", &chat("Hello", 4));
@@ -299,6 +307,26 @@ fn bad_requests_on(backend: &str) {
             Some(chat(&"word ".repeat(200), 2).to_string()),
             400,
             "context_length_exceeded",
+        ),
+        // A forced tool call is not served, and a choice naming a missing tool is an error.
+        (
+            Some(with_tool_choice(json!("required"))),
+            400,
+            "invalid_messages",
+        ),
+        (
+            Some(with_tool_choice(
+                json!({"type": "function", "function": {"name": "no_such_tool"}}),
+            )),
+            400,
+            "invalid_messages",
+        ),
+        (
+            Some(with_tool_choice(
+                json!({"type": "function", "function": {"name": "get_weather"}}),
+            )),
+            400,
+            "invalid_messages",
         ),
     ];
     for (body, want_status, want_code) in cases {
@@ -429,7 +457,8 @@ fn terminal_chat_on(dir: &std::path::Path, backend: &str) -> String {
         backend,
         5,
         &[],
-        b"Hello there\nAnd again\n/reset\nFresh start\n/exit\nnever read\n",
+        // A line that is not UTF-8 is reported and skipped: the conversation goes on.
+        b"Hello there\n\xff\xfe\nAnd again\n/reset\nFresh start\n/exit\nnever read\n",
     );
     let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -452,6 +481,10 @@ fn terminal_chat_on(dir: &std::path::Path, backend: &str) -> String {
     );
     assert_eq!(reused(status[2]), 0, "after /reset nothing is reused");
     assert!(stderr.contains("(conversation reset)"));
+    assert!(
+        stderr.contains("(that line is not UTF-8: not sent)"),
+        "{stderr}"
+    );
     assert!(
         status.iter().all(|l| l.starts_with("[5 tokens")),
         "{stderr}"

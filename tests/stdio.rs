@@ -7,6 +7,12 @@ use std::process::{Command, Stdio};
 
 /// Runs a protocol session on `backend` with `lines` on stdin and returns stdout's lines.
 fn session(backend: &str, lines: &[String]) -> Vec<String> {
+    let input: String = lines.iter().map(|line| format!("{line}\n")).collect();
+    session_on_bytes(backend, input.as_bytes())
+}
+
+/// Runs a protocol session on `backend` with `input` on stdin and returns stdout's lines.
+fn session_on_bytes(backend: &str, input: &[u8]) -> Vec<String> {
     let dir = common::fixtures_dir().join("tiny-routed");
     let mut child = Command::new(env!("CARGO_BIN_EXE_picchio"))
         .args(["serve", "--stdio", "--backend", backend])
@@ -17,11 +23,11 @@ fn session(backend: &str, lines: &[String]) -> Vec<String> {
         .spawn()
         .unwrap();
     let mut stdin = child.stdin.take().unwrap();
-    for line in lines {
-        writeln!(stdin, "{line}").unwrap();
-    }
-    drop(stdin);
+    // Written from another thread: the replies to a long input could fill stdout's pipe first.
+    let input = input.to_vec();
+    let writer = std::thread::spawn(move || stdin.write_all(&input));
     let out = child.wait_with_output().unwrap();
+    writer.join().unwrap().unwrap();
     assert!(
         out.status.success(),
         "{}",
@@ -125,4 +131,37 @@ fn reset_empties_the_session_and_sampling_is_seeded() {
         sampled_tokens.windows(2).all(|w| w[0] == w[1]),
         "{sampled_tokens:?}"
     );
+}
+
+/// Lines a hostile client may send (bytes that are not UTF-8, an empty line, arguments after
+/// RESET, a line over the limit, a huge unknown word) each get an ERROR 400 line and leave the
+/// session as it was: the turn after them gives a fresh session's tokens.
+#[test]
+fn broken_lines_get_an_error_and_the_session_goes_on() {
+    let good = turn(3, 0, &[1, 2, 3]);
+    let mut input: Vec<u8> = Vec::new();
+    input.extend_from_slice(b"\xff\xfe TURN\n");
+    input.extend_from_slice(b"\n");
+    input.extend_from_slice(b"RESET now\n");
+    input.extend_from_slice(format!("{}\n", "9".repeat(17 << 20)).as_bytes());
+    input.extend_from_slice(format!("{}\n", "X".repeat(100_000)).as_bytes());
+    input.extend_from_slice(format!("{good}\nSHUTDOWN\n").as_bytes());
+    let out = session_on_bytes("cpu", &input);
+    let errors: Vec<&String> = out
+        .iter()
+        .filter(|l| l.starts_with("ERROR 400 0 "))
+        .collect();
+    assert_eq!(errors.len(), 5, "{out:?}");
+    assert!(errors[0].contains("not UTF-8"), "{out:?}");
+    assert!(errors[1].contains("empty line"), "{out:?}");
+    assert!(errors[2].contains("RESET takes no arguments"), "{out:?}");
+    assert!(errors[3].contains("longer than 16777216 bytes"), "{out:?}");
+    assert!(
+        errors[4].len() < 100,
+        "the echo is cut short: {}",
+        errors[4].len()
+    );
+    let fresh = session("cpu", &[good]);
+    assert_eq!(tokens(&out), tokens(&fresh));
+    assert_eq!(out.last(), fresh.last());
 }

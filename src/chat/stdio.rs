@@ -9,17 +9,23 @@
 //!   `n_output` and the next turn can keep all of it;
 //! - `RESET` empties the session; `SHUTDOWN` (or the end of input) ends the process;
 //! - a bad line gets `ERROR <code> <fatal 0|1> <message>`, checked before the session is
-//!   touched: a non-fatal error leaves it as it was. Codes: 400 malformed or out of range, 413
-//!   longer than the context, 500 the model failed (fatal: the process ends).
+//!   touched: a non-fatal error leaves it as it was. Codes: 400 malformed or out of range (an
+//!   empty line, bytes that are not UTF-8, a line over `MAX_LINE_BYTES`, arguments after
+//!   `RESET` or `SHUTDOWN`), 413 longer than the context, 500 the model failed (fatal: the
+//!   process ends). Messages quote at most a short prefix of the offending field.
 
 use std::io::{BufRead, Write};
 
+use super::lines::{Line, excerpt, read_line};
 use super::tokenizer::CALL;
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::model::generate::SessionTier;
 use crate::model::sampler::{Sampler, SamplingOptions};
 use crate::model::session::{ChatSession, Finish};
+
+/// The longest line read: a `TURN` of a full 131,072-position context takes about 1 MB.
+pub const MAX_LINE_BYTES: usize = 16 << 20;
 
 /// A parsed `TURN` line.
 struct Turn {
@@ -39,12 +45,12 @@ fn parse_turn(words: &[&str], seed: u64) -> std::result::Result<Turn, String> {
     let int = |i: usize, what: &str| -> std::result::Result<usize, String> {
         let w = number(i, what)?;
         w.parse()
-            .map_err(|_| format!("{what} must be a whole number, not {w:?}"))
+            .map_err(|_| format!("{what} must be a whole number, not {:?}", excerpt(w)))
     };
     let float = |i: usize, what: &str| -> std::result::Result<f32, String> {
         let w = number(i, what)?;
         w.parse()
-            .map_err(|_| format!("{what} must be a number, not {w:?}"))
+            .map_err(|_| format!("{what} must be a number, not {:?}", excerpt(w)))
     };
     let max_new = int(0, "max_new")?;
     let keep = int(1, "keep")?;
@@ -65,7 +71,7 @@ fn parse_turn(words: &[&str], seed: u64) -> std::result::Result<Turn, String> {
         .iter()
         .map(|w| {
             w.parse()
-                .map_err(|_| format!("token id {w:?} is not a whole number"))
+                .map_err(|_| format!("token id {:?} is not a whole number", excerpt(w)))
         })
         .collect::<std::result::Result<Vec<u32>, String>>()?;
     Ok(Turn {
@@ -91,7 +97,7 @@ pub fn serve(
     context: usize,
     tier: &SessionTier,
     seed: u64,
-    input: impl BufRead,
+    mut input: impl BufRead,
     mut output: impl Write,
 ) -> Result<()> {
     let io = |e: std::io::Error| Error::io("the stdio protocol's output", e);
@@ -105,15 +111,37 @@ pub fn serve(
     );
     send(&mut output, ready.trim_end())?;
     let mut turns = 0u64;
-    for line in input.lines() {
-        let line = line.map_err(|e| Error::io("the stdio protocol's input", e))?;
+    let mut buffer = Vec::new();
+    loop {
+        let line = read_line(&mut input, &mut buffer, MAX_LINE_BYTES)
+            .map_err(|e| Error::io("the stdio protocol's input", e))?;
+        let line = match line {
+            None => break,
+            Some(Line::Text(line)) => line,
+            Some(Line::TooLong) => {
+                let message = format!("the line is longer than {MAX_LINE_BYTES} bytes");
+                send(&mut output, &format!("ERROR 400 0 {message}"))?;
+                continue;
+            }
+            Some(Line::NotUtf8) => {
+                send(&mut output, "ERROR 400 0 the line is not UTF-8")?;
+                continue;
+            }
+        };
         let words: Vec<&str> = line.split_whitespace().collect();
-        match words.first().copied() {
-            None => continue,
-            Some("SHUTDOWN") => break,
-            Some("RESET") => session.reset(),
-            Some("TURN") => {
-                let turn = match parse_turn(&words[1..], seed.wrapping_add(turns)) {
+        match words.as_slice() {
+            [] => send(
+                &mut output,
+                "ERROR 400 0 an empty line: expected TURN, RESET or SHUTDOWN",
+            )?,
+            ["SHUTDOWN"] => break,
+            ["RESET"] => session.reset(),
+            [command @ ("RESET" | "SHUTDOWN"), ..] => send(
+                &mut output,
+                &format!("ERROR 400 0 {command} takes no arguments"),
+            )?,
+            ["TURN", arguments @ ..] => {
+                let turn = match parse_turn(arguments, seed.wrapping_add(turns)) {
                     Ok(turn) => turn,
                     Err(message) => {
                         send(&mut output, &format!("ERROR 400 0 {message}"))?;
@@ -156,9 +184,9 @@ pub fn serve(
                     }
                 }
             }
-            Some(other) => send(
+            [other, ..] => send(
                 &mut output,
-                &format!("ERROR 400 0 unknown command {other:?}"),
+                &format!("ERROR 400 0 unknown command {:?}", excerpt(other)),
             )?,
         }
     }

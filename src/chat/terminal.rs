@@ -10,7 +10,9 @@ use std::time::Instant;
 use super::harmony::{
     ChatMessage, Conversation, DeveloperSettings, ReasoningEffort, Role, SystemSettings,
 };
+use super::lines::{Line, read_line};
 use super::parser::{Event, StreamParser};
+use super::stdio::MAX_LINE_BYTES;
 use super::tokenizer::{HARMONY_VOCAB_SIZE, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::Model;
@@ -49,7 +51,7 @@ fn message(role: Role, channel: Option<&str>, content: String) -> ChatMessage {
 pub fn run(
     model: &Model,
     options: &ChatOptions,
-    input: impl BufRead,
+    mut input: impl BufRead,
     mut output: impl Write,
     mut status: impl Write,
 ) -> Result<()> {
@@ -78,8 +80,24 @@ pub fn run(
     };
     let mut conversation = base.clone();
     let mut turn = 0u64;
-    for line in input.lines() {
-        let line = line.map_err(io)?;
+    let mut buffer = Vec::new();
+    while let Some(line) = read_line(&mut input, &mut buffer, MAX_LINE_BYTES).map_err(io)? {
+        let line = match line {
+            Line::Text(line) => line,
+            // The conversation goes on: nothing was sent.
+            Line::TooLong => {
+                writeln!(
+                    status,
+                    "(a line of more than {MAX_LINE_BYTES} bytes: not sent)"
+                )
+                .map_err(io)?;
+                continue;
+            }
+            Line::NotUtf8 => {
+                writeln!(status, "(that line is not UTF-8: not sent)").map_err(io)?;
+                continue;
+            }
+        };
         let text = line.trim();
         match text {
             "" => continue,

@@ -37,12 +37,28 @@ pub fn physical_cores() -> usize {
 
 /// Sets the CPU tier's thread count (`None`: physical cores) for the rest of the process.
 /// Must run before any parallel work; a second call keeps the first pool.
+/// The most threads `set_threads` starts per logical CPU.
+pub const MAX_THREADS_PER_LOGICAL_CPU: usize = 4;
+
+/// Logical CPUs this process may run on.
+fn logical_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, usize::from)
+}
+
 pub fn set_threads(threads: Option<usize>) -> crate::error::Result<usize> {
-    let threads = threads.unwrap_or_else(physical_cores);
+    let mut threads = threads.unwrap_or_else(physical_cores);
     if threads == 0 {
         return Err(crate::error::Error::InvalidArgument(
             "--threads must be at least 1".into(),
         ));
+    }
+    // More threads than this only add scheduling and memory (each has its own stack).
+    let most = MAX_THREADS_PER_LOGICAL_CPU * logical_cpus();
+    if threads > most {
+        log::warn!(
+            "--threads {threads} is more than {MAX_THREADS_PER_LOGICAL_CPU} per logical CPU; using {most}"
+        );
+        threads = most;
     }
     if let Err(e) = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)

@@ -92,6 +92,19 @@ pub fn validate_tokens(
     Ok(())
 }
 
+/// Fails when `logits` (after `positions` positions) hold NaN or infinity: greedy and sampled
+/// choices from them would be garbage. Where they first appear is found later, only after such
+/// a failure (`FallbackSession`).
+pub fn check_finite(logits: &[f32], positions: usize) -> Result<()> {
+    if logits.iter().all(|x| x.is_finite()) {
+        return Ok(());
+    }
+    Err(Error::NonFinite {
+        positions,
+        origin: "the logits".into(),
+    })
+}
+
 /// The next-token step from a full logits vector.
 pub fn step_of(logits: &[f32], top_logits: usize) -> Step {
     let best_two = top_k(logits, 2);
@@ -166,7 +179,9 @@ impl Session for CpuSession<'_> {
     }
 
     fn feed_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        self.model.forward(&mut self.cache, tokens, None)
+        let logits = self.model.forward(&mut self.cache, tokens, None)?;
+        check_finite(&logits, self.cache.len())?;
+        Ok(logits)
     }
 
     fn truncate(&mut self, keep: usize) -> Result<()> {
@@ -398,8 +413,36 @@ pub const DEFAULT_GPU_BLOCK: usize = 128;
 
 impl FallbackSession<'_> {
     /// Runs `tokens` through `run` on the GPU tier while it lives, else (or once it fails) on the
-    /// CPU tier, which first replays the tokens fed so far.
+    /// CPU tier, which first replays the tokens fed so far. Non-finite logits are an error that
+    /// says where they first appear.
     fn run<T>(
+        &mut self,
+        tokens: &[u32],
+        run: impl Fn(&mut dyn Session, &[u32]) -> Result<T>,
+    ) -> Result<T> {
+        let result = self.run_on_a_tier(tokens, run);
+        match result {
+            Err(Error::NonFinite { positions, .. }) => Err(Error::NonFinite {
+                positions,
+                origin: self.locate_non_finite(tokens),
+            }),
+            result => result,
+        }
+    }
+
+    /// Where the CPU tier first sees non-finite values when it runs every token fed so far and
+    /// `tokens` from position 0 (the search after a failure: a whole prefill).
+    fn locate_non_finite(&self, tokens: &[u32]) -> String {
+        let all = [self.history.as_slice(), tokens].concat();
+        match self.model.locate_non_finite(&all) {
+            Ok(Some(origin)) => origin,
+            Ok(None) => "the GPU tier only (the CPU tier's values are finite)".into(),
+            Err(e) => format!("an unknown place (the search failed: {e})"),
+        }
+    }
+
+    /// `run` on the GPU tier while it lives, else (or once it fails) on the CPU tier.
+    fn run_on_a_tier<T>(
         &mut self,
         tokens: &[u32],
         run: impl Fn(&mut dyn Session, &[u32]) -> Result<T>,

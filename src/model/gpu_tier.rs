@@ -24,7 +24,7 @@ use weights::catching_oom;
 pub use weights::{GpuWeights, vram_bytes_per_expert};
 
 use super::Model;
-use super::generate::{Step, validate_tokens};
+use super::generate::{Step, check_finite, validate_tokens};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::experts::{ExpertKey, VramBudget};
@@ -454,7 +454,9 @@ impl<'m> GpuModel<'m> {
 
     /// Counts the experts each layer with every expert resident used in the last block (`ids`:
     /// `[layers, n, top_k]`) as VRAM hits (the cache's layers count theirs as they place them).
-    fn count_resident_routing(&mut self, ids: &[u32]) {
+    /// A router that chose no valid expert saw non-finite logits: the block is an error, which
+    /// hands the session to the CPU tier (as a cached layer's placement does).
+    fn count_resident_routing(&mut self, ids: &[u32]) -> Result<()> {
         let n = self.last_block;
         let k = self.config.experts_per_token;
         for (l, layer) in ids.chunks(n * k).enumerate() {
@@ -464,10 +466,15 @@ impl<'m> GpuModel<'m> {
             let mut used: Vec<usize> = layer.iter().map(|&e| e as usize).collect();
             used.sort_unstable();
             used.dedup();
-            used.retain(|&e| e < self.config.num_experts);
+            if let Some(&bad) = used.iter().find(|&&e| e >= self.config.num_experts) {
+                return Err(Error::Gpu(format!(
+                    "layer {l}: the router chose expert {bad} (non-finite router logits?)"
+                )));
+            }
             self.model.experts.count_vram_hits(l, &used);
             self.placement[l].vram_hits += used.len() as u64;
         }
+        Ok(())
     }
 
     /// Most positions one KV buffer can bind on this device.
@@ -673,9 +680,23 @@ impl<'m> GpuModel<'m> {
     pub fn feed(&mut self, tokens: &[u32], top_logits: usize) -> Result<Step> {
         if !self.run_tokens(tokens, HeadOutput::Top)? {
             let logits = self.model.head(&self.cpu_last_hidden);
+            check_finite(&logits, self.len)?;
             return Ok(super::generate::step_of(&logits, top_logits));
         }
         let top = self.read_top()?;
+        // The device chose them: NaN in the logits leaves a non-finite value among the best two,
+        // or no id at all (every comparison with NaN fails).
+        let vocab = self.config.vocab_size;
+        let best: Vec<f32> = (top.iter().take(2))
+            .map(|&(id, logit)| {
+                if id as usize >= vocab {
+                    f32::NAN
+                } else {
+                    logit
+                }
+            })
+            .collect();
+        check_finite(&best, self.len)?;
         let margin = if top.len() >= 2 {
             top[0].1 - top[1].1
         } else {
@@ -691,11 +712,13 @@ impl<'m> GpuModel<'m> {
     /// Runs `tokens` after what the cache holds; returns every logit of the last position (read
     /// back whole from the device, or computed by the CPU tier's head).
     pub fn feed_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
-        if !self.run_tokens(tokens, HeadOutput::Logits)? {
-            return Ok(self.model.head(&self.cpu_last_hidden));
-        }
-        let bytes = self.read_head(HeadOutput::Logits)?;
-        Ok(bytemuck::pod_collect_to_vec(&bytes))
+        let logits = if self.run_tokens(tokens, HeadOutput::Logits)? {
+            bytemuck::pod_collect_to_vec(&self.read_head(HeadOutput::Logits)?)
+        } else {
+            self.model.head(&self.cpu_last_hidden)
+        };
+        check_finite(&logits, self.len)?;
+        Ok(logits)
     }
 
     /// Runs `tokens` block by block, the last block through the GPU's head with `output` when
@@ -792,7 +815,7 @@ impl<'m> GpuModel<'m> {
             let ids: Vec<u32> =
                 bytemuck::pod_collect_to_vec(&self.weights.ctx.read_back(trace, bytes)?);
             self.counters.readbacks += 1;
-            self.count_resident_routing(&ids);
+            self.count_resident_routing(&ids)?;
         }
         if self.weights.ctx.is_lost() {
             return Err(Error::Gpu("the GPU device was lost".into()));
@@ -979,7 +1002,7 @@ impl<'m> GpuModel<'m> {
         let mut bytes = self.read_staging(&staging, (head_bytes + routing_bytes) as u64)?;
         if counting {
             let ids: Vec<u32> = bytemuck::pod_collect_to_vec(&bytes[head_bytes..]);
-            self.count_resident_routing(&ids);
+            self.count_resident_routing(&ids)?;
         }
         bytes.truncate(head_bytes);
         Ok(bytes)

@@ -379,6 +379,30 @@ impl Model {
         }
     }
 
+    /// Where non-finite values (NaN or infinity) first appear when the CPU tier runs `tokens`
+    /// from position 0: the embeddings, a layer's attention, router or experts, or the head;
+    /// None when every value is finite.
+    pub fn locate_non_finite(&self, tokens: &[u32]) -> Result<Option<String>> {
+        let finite = |values: &[f32]| values.iter().all(|x| x.is_finite());
+        if !finite(&self.embed(tokens)) {
+            return Ok(Some("the embeddings".into()));
+        }
+        let mut cache = KvCache::keeping_all(&self.config, tokens.len());
+        let mut trace = Vec::new();
+        let logits = self.forward(&mut cache, tokens, Some(&mut trace))?;
+        for (l, layer) in trace.iter().enumerate() {
+            let routed = layer.routings.iter().all(|r| finite(&r.weights));
+            let place = match () {
+                _ if !finite(&layer.after_attention) => "attention",
+                _ if !routed => "router",
+                _ if !finite(&layer.after_moe) => "experts",
+                _ => continue,
+            };
+            return Ok(Some(format!("layer {l}'s {place}")));
+        }
+        Ok((!finite(&logits)).then(|| "the head (final norm and lm_head)".into()))
+    }
+
     /// A KV cache for this model holding at most `context` positions.
     pub fn new_cache(&self, context: usize) -> KvCache {
         KvCache::new(&self.config, context)
