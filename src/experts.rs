@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -285,6 +285,28 @@ pub fn available_memory_bytes() -> Option<u64> {
     Some(cgroup.map_or(system, |c| c.min(system)))
 }
 
+/// A converted store's records, each checked against its index's hash the first time it is read
+/// (a damaged file is an error, not different tokens).
+struct RecordCheck {
+    flat: Arc<FlatExperts>,
+    checked: Vec<AtomicBool>,
+}
+
+impl RecordCheck {
+    /// Checks record `key` unless it passed before: `read`, its bytes as just read from the
+    /// file, else the mapped file's.
+    fn check(&self, key: ExpertKey, read: Option<&[u8]>) -> Result<()> {
+        let r = key.layer * self.flat.index.experts + key.expert;
+        if self.checked[r].load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        self.flat
+            .check_record(r, read.unwrap_or_else(|| self.flat.record(r)))?;
+        self.checked[r].store(true, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
 struct Shared {
     files: Vec<(PathBuf, File)>,
     layers: Vec<(Projection, Projection)>,
@@ -293,6 +315,8 @@ struct Shared {
     /// When every expert fits the budget: each layer's (gate_up, down) as mapped, which a
     /// "read" views in place and faults in instead of copying.
     mapped: Option<Vec<(ExpertMatrices, ExpertMatrices)>>,
+    /// Record hashes to check (a converted store, unless turned off).
+    records: Option<RecordCheck>,
 }
 
 /// Views of one read's bytes by range.
@@ -319,6 +343,9 @@ fn coalesce(parts: &[Part]) -> Vec<Part> {
 impl Shared {
     fn read(&self, key: ExpertKey) -> Result<ExpertData> {
         if let Some(mapped) = &self.mapped {
+            if let Some(records) = &self.records {
+                records.check(key, None)?;
+            }
             let (gate_up, down) = &mapped[key.layer];
             let (gate_up, down) = (gate_up.single(key.expert), down.single(key.expert));
             gate_up.populate();
@@ -346,6 +373,9 @@ impl Shared {
             let (path, file) = &self.files[part.file];
             read_exact_at(file, crate::weights::page_bytes_mut(&mut buffer), at(part))
                 .map_err(|e| Error::io(path, e))?;
+            if let Some(records) = &self.records {
+                records.check(key, Some(crate::weights::page_bytes_mut(&mut buffer)))?;
+            }
             let buffer = Arc::new(buffer);
             (
                 Box::new(move |r| TensorBytes::paged(buffer.clone(), r)),
@@ -359,6 +389,10 @@ impl Shared {
                 read_exact_at(file, &mut buffer[filled..filled + part.len], at(part))
                     .map_err(|e| Error::io(path, e))?;
                 filled += part.len;
+            }
+            if let Some(records) = &self.records {
+                // A converted store's record is one read, from its start.
+                records.check(key, Some(&buffer))?;
             }
             let buffer = Arc::new(buffer); // no copy: the views share it
             (
@@ -466,6 +500,8 @@ pub struct StoreOptions {
     pub hot_experts: bool,
     /// Read a converted store with O_DIRECT (F_NOCACHE on macOS): no page-cache copy.
     pub direct_io: bool,
+    /// Check each record of a converted store against its index's hash when first read.
+    pub check_records: bool,
 }
 
 /// The files a store reads and where each layer's projections sit in them.
@@ -497,7 +533,7 @@ pub struct ExpertStore {
     /// Pin hot experts from, and save usage to, `USAGE_FILE`.
     hot_experts: bool,
     /// Pinning happens before the first fetch (never, for runs that fetch nothing: the GPU tier).
-    pinning_started: std::sync::atomic::AtomicBool,
+    pinning_started: AtomicBool,
 }
 
 impl ExpertStore {
@@ -514,6 +550,7 @@ impl ExpertStore {
             io_threads,
             hot_experts,
             direct_io,
+            check_records,
         } = options;
         let (files, layers) = match &weights.flat {
             Some(flat) => Self::flat_layout(flat, direct_io)?,
@@ -567,11 +604,20 @@ impl ExpertStore {
                 .map(|l| (l.gate_up.clone(), l.down.clone()))
                 .collect()
         });
+        let records = (weights.flat.as_ref())
+            .filter(|_| check_records)
+            .map(|flat| RecordCheck {
+                flat: flat.clone(),
+                checked: (0..flat.index.hashes.len())
+                    .map(|_| AtomicBool::new(false))
+                    .collect(),
+            });
         let shared = Arc::new(Shared {
             files,
             layers,
             direct: direct_io,
             mapped,
+            records,
         });
         let (jobs, queue) = flume::unbounded::<(ExpertKey, Reply)>();
         for n in 0..io_threads.max(1) {
@@ -893,6 +939,16 @@ impl ExpertStore {
             .into_iter()
             .map(|p| self.wait(p))
             .collect()
+    }
+
+    /// Checks every record of `layer` of a converted store that no read checked yet against its
+    /// hash (for a tier that takes the layer's experts whole, not through `request`).
+    pub fn check_layer_records(&self, layer: usize) -> Result<()> {
+        let Some(records) = &self.shared.records else {
+            return Ok(());
+        };
+        (0..records.flat.index.experts)
+            .try_for_each(|expert| records.check(ExpertKey { layer, expert }, None))
     }
 
     /// Starts fetching `experts` of `layer`: hits are ready at once, misses are queued for the IO

@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::xxh3_64;
 
 use crate::arch::gpt_oss::is_expert_weight;
 use crate::config::Config;
@@ -81,6 +82,10 @@ pub struct FlatIndex {
     pub down: ProjectionLayout,
     /// FNV-1a 64 of each record's `record_bytes`, in hex, record `layer * experts + expert`.
     pub hashes: Vec<String>,
+    /// XXH3-64 of the same bytes, in hex (stores written since this field exists): checked
+    /// instead of the FNV-1a hashes where present, at tens of GB/s rather than about one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xxh3: Option<Vec<String>>,
 }
 
 impl FlatIndex {
@@ -115,6 +120,7 @@ impl FlatIndex {
             gate_up,
             down,
             hashes: Vec::new(),
+            xxh3: Some(Vec::new()),
         }
     }
 
@@ -191,11 +197,12 @@ impl FlatExperts {
                 expected.layers, expected.experts, expected.record_bytes
             )));
         }
-        if index.hashes.len() != index.layers * index.experts {
+        let records = index.layers * index.experts;
+        let xxh3 = index.xxh3.as_ref().map_or(records, Vec::len);
+        if index.hashes.len() != records || xxh3 != records {
             return Err(bad(format!(
-                "{} hashes for {} records",
+                "{} hashes ({xxh3} xxh3) for {records} records",
                 index.hashes.len(),
-                index.layers * index.experts
             )));
         }
         let records_path = dir.join(RECORDS_FILE);
@@ -265,25 +272,35 @@ impl FlatExperts {
 
     /// Checks every record against its hash; the first mismatch is an error naming it.
     pub fn verify(&self) -> Result<()> {
+        (0..self.index.hashes.len()).try_for_each(|r| self.check_record(r, self.record(r)))
+    }
+
+    /// Record `r` (`layer * experts + expert`) as mapped, its padding left out.
+    pub fn record(&self, r: usize) -> &[u8] {
+        let start = r * self.index.record_stride;
+        &self.map[start..start + self.index.record_bytes]
+    }
+
+    /// Checks `bytes`, record `r` as read (its padding may follow), against the index's hash:
+    /// XXH3 where the index has it, else FNV-1a.
+    pub fn check_record(&self, r: usize, bytes: &[u8]) -> Result<()> {
         let index = &self.index;
-        for (r, want) in index.hashes.iter().enumerate() {
-            let start = r * index.record_stride;
-            let got = format!(
-                "{:016x}",
-                fnv1a64(&self.map[start..start + index.record_bytes])
-            );
-            if &got != want {
-                return Err(Error::Format {
-                    path: self.records_path.clone(),
-                    message: format!(
-                        "record {r} (layer {}, expert {}) hashes to {got}, the index says {want}",
-                        r / index.experts,
-                        r % index.experts
-                    ),
-                });
-            }
+        let bytes = &bytes[..index.record_bytes];
+        let (got, want) = match &index.xxh3 {
+            Some(xxh3) => (format!("{:016x}", xxh3_64(bytes)), &xxh3[r]),
+            None => (format!("{:016x}", fnv1a64(bytes)), &index.hashes[r]),
+        };
+        if &got == want {
+            return Ok(());
         }
-        Ok(())
+        Err(Error::Format {
+            path: self.records_path.clone(),
+            message: format!(
+                "record {r} (layer {}, expert {}) hashes to {got}, the index says {want}: the file is damaged (convert again)",
+                r / index.experts,
+                r % index.experts
+            ),
+        })
     }
 }
 
@@ -502,9 +519,11 @@ fn write_store(
                 record[p.weights.offset..p.weights.offset + w.len()].copy_from_slice(&w);
                 record[p.scales.offset..p.scales.offset + s.len()].copy_from_slice(&s);
             }
-            index
-                .hashes
-                .push(format!("{:016x}", fnv1a64(&record[..index.record_bytes])));
+            let bytes = &record[..index.record_bytes];
+            index.hashes.push(format!("{:016x}", fnv1a64(bytes)));
+            if let Some(xxh3) = &mut index.xxh3 {
+                xxh3.push(format!("{:016x}", xxh3_64(bytes)));
+            }
             writer
                 .write_all(&record)
                 .map_err(|e| Error::io(&records_path, e))?;

@@ -101,6 +101,10 @@ struct ModelArgs {
     /// off (always copied).
     #[arg(long, default_value = "auto", value_name = "auto|on|off")]
     mmap: picchio::model::MmapMode,
+    /// Check each record of a converted expert store against the hash in its index when it is
+    /// first read (a damaged file is then an error, not different tokens); off skips the cost.
+    #[arg(long, value_enum, default_value_t = OnOff::On, value_name = "on|off")]
+    check_records: OnOff,
 }
 
 impl ModelArgs {
@@ -131,6 +135,7 @@ impl ModelArgs {
             expert_activations: self.expert_activations,
             mmap: self.mmap,
             interleave_experts: backend == BackendChoice::Cpu,
+            check_records: self.check_records == OnOff::On,
             ..Default::default()
         };
         // Load errors name the file and tensor already.

@@ -709,3 +709,70 @@ fn interrupted_conversions_are_recognised_and_retried() {
     let (ok, _, stderr) = picchio(&["verify", "--model", out.to_str().unwrap()]);
     assert!(ok, "{stderr}");
 }
+
+/// A byte flipped in a converted store's records is caught by the record's hash when it is first
+/// read, on every backend and with direct IO; `--check-records off` skips the check.
+#[test]
+fn damaged_expert_records_are_errors_not_different_tokens() {
+    let store = tempfile::tempdir().unwrap();
+    let out = store.path().join("flat");
+    let source = fixtures_dir().join("tiny-single");
+    let (ok, _, stderr) = picchio(&[
+        "convert",
+        "--model",
+        source.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{stderr}");
+    let index: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("experts.json")).unwrap()).unwrap();
+    let stride = index["record_stride"].as_u64().unwrap() as usize;
+    let records = out.join("experts.bin");
+    let mut bytes = std::fs::read(&records).unwrap();
+    for record in bytes.chunks_exact_mut(stride) {
+        record[10] ^= 0x40;
+    }
+    std::fs::write(&records, bytes).unwrap();
+    for backend in backends() {
+        rejects(
+            &out,
+            "1,2,3",
+            &["--backend", backend],
+            &["experts.bin", "hashes to", "damaged"],
+        );
+    }
+    rejects(
+        &out,
+        "1,2,3",
+        &["--backend", "cpu", "--direct-io", "--ram-budget", "0"],
+        &["experts.bin", "hashes to"],
+    );
+    // A store from before the XXH3 hashes: its FNV-1a hashes are checked.
+    let mut index = index;
+    index
+        .as_object_mut()
+        .unwrap()
+        .remove("xxh3")
+        .expect("convert writes xxh3");
+    std::fs::write(out.join("experts.json"), index.to_string()).unwrap();
+    rejects(
+        &out,
+        "1,2,3",
+        &["--backend", "cpu"],
+        &["experts.bin", "hashes to"],
+    );
+    let (ok, stdout, stderr) = picchio(&[
+        "generate",
+        "--model",
+        out.to_str().unwrap(),
+        "--ids",
+        "1,2,3",
+        "--max-new-tokens",
+        "2",
+        "--check-records",
+        "off",
+    ]);
+    assert!(ok, "{stderr}");
+    assert_eq!(stdout.split_whitespace().count(), 2, "{stdout}");
+}

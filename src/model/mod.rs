@@ -158,6 +158,9 @@ pub struct ModelOptions {
     /// runs (`cpu::simd::interleave_mxfp4_runs`: the same results from fewer shuffles per
     /// weight). The GPU tier cannot read them then: for CPU-only runs, with exact expert inputs.
     pub interleave_experts: bool,
+    /// Check each record of a converted store against its index's hash when first read (on by
+    /// default: a damaged file is then an error, not different tokens).
+    pub check_records: bool,
 }
 
 /// Where the weights a decoded token reads live.
@@ -227,6 +230,7 @@ impl Default for ModelOptions {
             expert_activations: Default::default(),
             mmap: MmapMode::default(),
             interleave_experts: false,
+            check_records: true,
         }
     }
 }
@@ -307,6 +311,7 @@ impl Model {
                 io_threads: options.io_threads,
                 hot_experts: options.hot_experts,
                 direct_io: options.direct_io,
+                check_records: options.check_records,
             },
         )?;
         let rope = RopeTable::new(&config);

@@ -218,7 +218,8 @@ impl<'m> GpuWeights<'m> {
             };
             match attempt {
                 Ok(()) => break,
-                Err(e) if options.vram_budget == VramBudget::Auto && slots > 0 => {
+                // Only a device short of memory is worth a smaller try.
+                Err(e @ Error::Gpu(_)) if options.vram_budget == VramBudget::Auto && slots > 0 => {
                     log::info!("VRAM expert cache of {slots} experts: {e}; trying half");
                     for layer in &mut self.layers {
                         layer.experts = None;
@@ -246,8 +247,10 @@ impl<'m> GpuWeights<'m> {
         Ok(())
     }
 
-    /// Uploads every expert of the first `count` layers.
+    /// Uploads every expert of the first `count` layers (a converted store's records checked
+    /// against their hashes first).
     fn upload_resident_experts(&mut self, count: usize) -> Result<()> {
+        (0..count).try_for_each(|l| self.model.experts.check_layer_records(l))?;
         let weights = &self.model.weights;
         let (ctx, layers) = (&self.ctx, &mut self.layers);
         catching_oom(&ctx.device, "every expert", || {
