@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -478,8 +478,61 @@ struct Lru {
     clock: u64,
 }
 
-/// Name of the per-model usage file, beside the checkpoint.
+/// Name of the usage file beside the model (`PICCHIO_USAGE_BESIDE_MODEL=1`).
 pub const USAGE_FILE: &str = ".picchio_usage";
+
+/// Where the usage counts of the model in `ck` are kept: in `dir` when given, else beside the
+/// model when `PICCHIO_USAGE_BESIDE_MODEL=1`, else in the user's cache directory; in the last
+/// two, a file named by the model's identity. None when there is no cache directory.
+fn usage_file(ck: &Checkpoint, dir: Option<&Path>) -> Option<PathBuf> {
+    let beside = std::env::var("PICCHIO_USAGE_BESIDE_MODEL").is_ok_and(|v| v == "1");
+    if dir.is_none() && beside {
+        return Some(ck.dir().join(USAGE_FILE));
+    }
+    let dir = match dir {
+        Some(dir) => dir.to_path_buf(),
+        None => cache_dir()?.join("usage"),
+    };
+    Some(dir.join(format!("{:016x}.json", model_identity(ck))))
+}
+
+/// picchio's cache directory: `PICCHIO_CACHE_DIR`, else the platform's user cache directory
+/// (`$XDG_CACHE_HOME` or `~/.cache` on Linux, `~/Library/Caches` on macOS, `%LOCALAPPDATA%` on
+/// Windows) and `picchio` in it.
+pub fn cache_dir() -> Option<PathBuf> {
+    let var = |name: &str| {
+        std::env::var_os(name)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    if let Some(dir) = var("PICCHIO_CACHE_DIR") {
+        return Some(dir);
+    }
+    let user_cache = if cfg!(target_os = "macos") {
+        var("HOME").map(|home| home.join("Library/Caches"))
+    } else if cfg!(windows) {
+        var("LOCALAPPDATA")
+    } else {
+        var("XDG_CACHE_HOME").or_else(|| var("HOME").map(|home| home.join(".cache")))
+    };
+    user_cache.map(|dir| dir.join("picchio"))
+}
+
+/// A model's identity: its directory (canonical: two fine-tunes may share every size), its
+/// config.json, and the names and sizes of its weight files.
+fn model_identity(ck: &Checkpoint) -> u64 {
+    let dir = (ck.dir().canonicalize()).unwrap_or_else(|_| ck.dir().to_path_buf());
+    let mut key = dir.to_string_lossy().into_owned().into_bytes();
+    key.push(0);
+    key.extend(std::fs::read(dir.join("config.json")).unwrap_or_default());
+    let records = dir.join(crate::flat_store::RECORDS_FILE);
+    for path in ck.shard_paths().chain([records.as_path()]) {
+        key.extend(path.file_name().unwrap_or_default().as_encoded_bytes());
+        let size = std::fs::metadata(path).map_or(0, |m| m.len());
+        key.extend(size.to_le_bytes());
+    }
+    xxhash_rust::xxh3::xxh3_64(&key)
+}
 
 /// Requests per (layer, expert), accumulated over runs in `USAGE_FILE`.
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
@@ -492,12 +545,14 @@ struct Usage {
 type Reply = flume::Sender<Result<Arc<ExpertData>>>;
 
 /// How the store reads.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct StoreOptions {
     /// Threads reading experts.
     pub io_threads: usize,
-    /// Pin the most used experts of earlier runs (`USAGE_FILE`) and save this run's usage.
+    /// Pin the most used experts of earlier runs and save this run's usage (`usage_file`).
     pub hot_experts: bool,
+    /// Where usage files go instead of the user's cache directory.
+    pub usage_dir: Option<PathBuf>,
     /// Read a converted store with O_DIRECT (F_NOCACHE on macOS): no page-cache copy.
     pub direct_io: bool,
     /// Check each record of a converted store against its index's hash when first read.
@@ -529,8 +584,9 @@ pub struct ExpertStore {
     /// Requests per (layer, expert) in this run.
     usage: Vec<AtomicU64>,
     experts_per_layer: usize,
-    usage_path: PathBuf,
-    /// Pin hot experts from, and save usage to, `USAGE_FILE`.
+    /// The usage file (`usage_file`), when hot experts are on and there is a place for it.
+    usage_path: Option<PathBuf>,
+    /// Pin hot experts from, and save usage to, the usage file.
     hot_experts: bool,
     /// Pinning happens before the first fetch (never, for runs that fetch nothing: the GPU tier).
     pinning_started: AtomicBool,
@@ -551,6 +607,7 @@ impl ExpertStore {
             hot_experts,
             direct_io,
             check_records,
+            usage_dir,
         } = options;
         let (files, layers) = match &weights.flat {
             Some(flat) => Self::flat_layout(flat, direct_io)?,
@@ -654,7 +711,9 @@ impl ExpertStore {
                 .map(|_| AtomicU64::new(0))
                 .collect(),
             experts_per_layer,
-            usage_path: ck.dir().join(USAGE_FILE),
+            usage_path: hot_experts
+                .then(|| usage_file(ck, usage_dir.as_deref()))
+                .flatten(),
             hot_experts,
             pinning_started: std::sync::atomic::AtomicBool::new(!hot_experts),
         };
@@ -750,7 +809,7 @@ impl ExpertStore {
     }
 
     fn saved_usage(&self) -> Option<Usage> {
-        let text = std::fs::read_to_string(&self.usage_path).ok()?;
+        let text = std::fs::read_to_string(self.usage_path.as_ref()?).ok()?;
         let usage: Usage = serde_json::from_str(&text).ok()?;
         let fits =
             usage.experts == self.experts_per_layer && usage.counts.len() == self.usage.len();
@@ -810,20 +869,20 @@ impl ExpertStore {
         for (counter, value) in counters.iter().zip(before) {
             counter.store(value, Ordering::Relaxed);
         }
-        if pinned > 0 {
-            log::info!(
-                "pinned {pinned} hot experts from {}",
-                self.usage_path.display()
-            );
+        if let (true, Some(path)) = (pinned > 0, &self.usage_path) {
+            log::info!("pinned {pinned} hot experts from {}", path.display());
         }
         Ok(())
     }
 
-    /// Adds this run's requests to the usage file beside the model (best effort: a read-only
-    /// model directory only costs the pinning of later runs).
+    /// Adds this run's requests to the usage file (best effort: a place that cannot be written
+    /// only costs the pinning of later runs).
     pub fn save_usage(&self) {
         let requested = self.usage.iter().any(|u| u.load(Ordering::Relaxed) > 0);
-        if !self.hot_experts || !requested {
+        let Some(path) = self.usage_path.as_ref().filter(|_| self.hot_experts) else {
+            return;
+        };
+        if !requested {
             return;
         }
         let mut usage = self.saved_usage().unwrap_or(Usage {
@@ -835,19 +894,23 @@ impl ExpertStore {
             *total = total.saturating_add(now.load(Ordering::Relaxed));
         }
         // A private temporary name: concurrent runs each replace the file whole.
-        let temporary = self
-            .usage_path
-            .with_extension(format!("{}.tmp", std::process::id()));
+        let temporary = path.with_extension(format!("{}.tmp", std::process::id()));
         let written = serde_json::to_string(&usage)
             .map_err(std::io::Error::other)
-            .and_then(|text| std::fs::write(&temporary, text))
-            .and_then(|()| std::fs::rename(&temporary, &self.usage_path));
+            .and_then(|text| {
+                let folder = path.parent().unwrap_or(Path::new("."));
+                std::fs::create_dir_all(folder)?;
+                std::fs::write(&temporary, text)
+            })
+            .and_then(|()| std::fs::rename(&temporary, path));
         if let Err(e) = written {
-            log::warn!(
-                "could not save expert usage to {}: {e}",
-                self.usage_path.display()
-            );
+            log::warn!("could not save expert usage to {}: {e}", path.display());
         }
+    }
+
+    /// Where this run's expert usage is saved and read back (None: nowhere).
+    pub fn usage_path(&self) -> Option<&Path> {
+        self.usage_path.as_deref()
     }
 
     /// Bytes of one expert (gate_up and down weights with their scales).

@@ -239,22 +239,40 @@ fn good_input_still_works_through_the_cli() {
     assert!(stdout.contains("model.layers.3.mlp.experts.down_proj_blocks"));
     assert!(stdout.contains("experts (mxfp4"));
 
-    // The CPU tier reads experts and saves their usage beside the model.
-    let (ok, _, stderr) = picchio(&[
-        "generate",
-        "--model",
-        d,
-        "--ids",
-        "1,2",
-        "--max-new-tokens",
-        "2",
-        "--backend",
-        "cpu",
-    ]);
-    assert!(ok, "{stderr}");
+    // The CPU tier reads experts and saves their usage in the user's cache directory, keyed by
+    // the model; beside the model only when asked.
+    let cache = tempfile::tempdir().unwrap();
+    for beside in ["0", "1"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_picchio"))
+            .args([
+                "generate",
+                "--model",
+                d,
+                "--ids",
+                "1,2",
+                "--max-new-tokens",
+                "2",
+            ])
+            .args(["--backend", "cpu"])
+            .env("PICCHIO_CACHE_DIR", cache.path())
+            .env("PICCHIO_USAGE_BESIDE_MODEL", beside)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let saved: Vec<_> = std::fs::read_dir(cache.path().join("usage"))
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .collect();
+    assert_eq!(saved.len(), 1, "{saved:?}");
+    assert!(saved[0].extension().is_some_and(|e| e == "json"));
     assert!(
         copy.path().join(picchio::experts::USAGE_FILE).is_file(),
-        "generate saved usage"
+        "asked for, the usage goes beside the model"
     );
 
     // --stats: the expert store's counters add up, every part has a time, every layer a place.

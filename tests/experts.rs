@@ -126,11 +126,13 @@ fn bench_sweeps_budgets_and_writes_csv_and_plot() {
 fn usage_is_saved_and_pins_hot_experts_next_time() {
     let reference = reference(&fixtures_dir().join("tiny-long"));
     let dir = copy_fixture("tiny-long");
+    let cache = tempfile::tempdir().unwrap();
     let hot = |budget| {
         let options = ModelOptions {
             ram_budget: budget,
             io_threads: 3,
             hot_experts: true,
+            usage_dir: Some(cache.path().to_path_buf()),
             ..Default::default()
         };
         Model::load_with(dir.path(), &options).unwrap()
@@ -139,7 +141,12 @@ fn usage_is_saved_and_pins_hot_experts_next_time() {
     generate(&first, &reference.prompt_ids, &greedy_options(32)).unwrap();
     assert_eq!(first.experts.pinned(), 0, "nothing to pin from yet");
     first.experts.save_usage();
-    assert!(dir.path().join(picchio::experts::USAGE_FILE).is_file());
+    let saved = first.experts.usage_path().expect("a usage file");
+    assert!(
+        saved.starts_with(cache.path()) && saved.is_file(),
+        "{saved:?}"
+    );
+    assert!(!dir.path().join(picchio::experts::USAGE_FILE).exists());
 
     let second = hot(RamBudget::Percent(50.0));
     assert_eq!(

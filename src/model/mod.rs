@@ -142,7 +142,7 @@ pub struct ModelOptions {
     pub ram_budget: RamBudget,
     /// Threads reading experts from disk.
     pub io_threads: usize,
-    /// Pin the experts earlier runs used most (from `.picchio_usage` beside the model), and let
+    /// Pin the experts earlier runs used most (from the usage file, `usage_dir`), and let
     /// `save_usage` add this run's counts there. Off by default: runs stay independent.
     pub hot_experts: bool,
     /// Read a converted expert store past the page cache (O_DIRECT).
@@ -161,6 +161,9 @@ pub struct ModelOptions {
     /// Check each record of a converted store against its index's hash when first read (on by
     /// default: a damaged file is then an error, not different tokens).
     pub check_records: bool,
+    /// Where usage files go (`hot_experts`); None: the user's cache directory
+    /// (`experts::cache_dir`), or beside the model with `PICCHIO_USAGE_BESIDE_MODEL=1`.
+    pub usage_dir: Option<std::path::PathBuf>,
 }
 
 /// Where the weights a decoded token reads live.
@@ -231,6 +234,7 @@ impl Default for ModelOptions {
             mmap: MmapMode::default(),
             interleave_experts: false,
             check_records: true,
+            usage_dir: None,
         }
     }
 }
@@ -312,6 +316,7 @@ impl Model {
                 hot_experts: options.hot_experts,
                 direct_io: options.direct_io,
                 check_records: options.check_records,
+                usage_dir: options.usage_dir.clone(),
             },
         )?;
         let rope = RopeTable::new(&config);
