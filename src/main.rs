@@ -406,6 +406,16 @@ enum Command {
         /// their own "seed" (default 0).
         #[arg(long, default_value_t = 0, value_name = "S")]
         seed: u64,
+        /// Most tokens one HTTP request generates: a larger max_tokens is cut to it.
+        #[arg(long, default_value_t = 8192, value_name = "N")]
+        max_tokens_limit: usize,
+        /// Most HTTP requests waiting for the model; more get 503 with Retry-After.
+        #[arg(long, default_value_t = 64, value_name = "N")]
+        queue_limit: usize,
+        /// Require "Authorization: Bearer KEY" on every route but /health (also from the
+        /// PICCHIO_API_KEY environment variable, which keeps it out of the process list).
+        #[arg(long, value_name = "KEY")]
+        api_key: Option<String>,
     },
     /// Encode text into o200k_harmony token ids (or, with --decode, ids into text).
     Tokenize {
@@ -818,7 +828,21 @@ fn run(cli: Cli) -> Result<()> {
             name,
             context,
             seed,
+            max_tokens_limit,
+            queue_limit,
+            api_key,
         } => {
+            if max_tokens_limit == 0 || queue_limit == 0 {
+                bail!("--max-tokens-limit and --queue-limit must be at least 1");
+            }
+            let api_key = api_key
+                .or_else(|| std::env::var("PICCHIO_API_KEY").ok())
+                .filter(|key| !key.is_empty());
+            let limits = picchio::serve::ServeLimits {
+                max_tokens: max_tokens_limit,
+                queue: queue_limit,
+                api_key,
+            };
             let loaded = model.load_for_chat(backend)?;
             let context = session_context(&loaded, context)?;
             let tier = gpu.tier(backend);
@@ -841,9 +865,8 @@ fn run(cli: Cli) -> Result<()> {
                     .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
                     .unwrap_or_else(|| "picchio".into())
             });
-            picchio::serve::serve(loaded, name, context, tier, &host, port, |address| {
-                eprintln!("picchio: listening on http://{address}");
-            })?;
+            let ready = |address| eprintln!("picchio: listening on http://{address}");
+            picchio::serve::serve(loaded, name, context, tier, &host, port, limits, ready)?;
             Ok(())
         }
         Command::Tokenize {

@@ -43,6 +43,28 @@ use crate::model::session::{ChatSession, Finish};
 /// Default `max_tokens` when a request gives none.
 const DEFAULT_MAX_TOKENS: usize = 1024;
 
+/// What one server lets its clients do.
+#[derive(Debug, Clone)]
+pub struct ServeLimits {
+    /// Most tokens one request generates (a larger `max_tokens` is cut to it): one client
+    /// cannot hold the model for a whole context.
+    pub max_tokens: usize,
+    /// Requests waiting for the model at most; more get 503 with Retry-After.
+    pub queue: usize,
+    /// When set, every route but /health needs `Authorization: Bearer <key>`.
+    pub api_key: Option<String>,
+}
+
+impl Default for ServeLimits {
+    fn default() -> Self {
+        ServeLimits {
+            max_tokens: 8192,
+            queue: 64,
+            api_key: None,
+        }
+    }
+}
+
 /// What the worker sends back for one request.
 enum Reply {
     Token(u32),
@@ -73,6 +95,7 @@ struct Shared {
     stops: Vec<u32>,
     jobs: flume::Sender<Job>,
     tokenizer: Tokenizer,
+    limits: ServeLimits,
 }
 
 /// Runs the model worker: one job at a time, one session kept across jobs, on `tier`. Says
@@ -440,19 +463,29 @@ impl Shared {
         let (replies, receiver) = mpsc::unbounded_channel();
         let job = Job {
             ids,
-            max_tokens,
+            max_tokens: max_tokens.min(self.limits.max_tokens),
             sampling,
             stops: self.stops.clone(),
             replies,
         };
-        self.jobs.send(job).map_err(|_| {
-            error(
+        match self.jobs.try_send(job) {
+            Ok(()) => Ok(receiver),
+            Err(flume::TrySendError::Full(_)) => {
+                let message = format!(
+                    "{} requests are already waiting for the model; retry later",
+                    self.limits.queue
+                );
+                let mut response = error(StatusCode::SERVICE_UNAVAILABLE, message, "server_busy");
+                let retry = axum::http::HeaderValue::from_static("1");
+                response.headers_mut().insert("retry-after", retry);
+                Err(response)
+            }
+            Err(flume::TrySendError::Disconnected(_)) => Err(error(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "the model worker stopped",
                 "server_error",
-            )
-        })?;
-        Ok(receiver)
+            )),
+        }
     }
 }
 
@@ -875,8 +908,48 @@ async fn not_found() -> Response {
     error(StatusCode::NOT_FOUND, "no such route", "not_found")
 }
 
-/// Serves `model` (called `name`) on `host:port` until the process is stopped; `ready` is
-/// called with the bound address (port 0 picks a free one).
+/// Refuses a request without the server's API key (when it has one); /health stays open.
+async fn authorize(
+    State(shared): State<Arc<Shared>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let Some(key) = &shared.limits.api_key else {
+        return next.run(request).await;
+    };
+    let given = (request.headers().get(axum::http::header::AUTHORIZATION))
+        .and_then(|value| value.to_str().ok())
+        .and_then(|value| value.strip_prefix("Bearer "));
+    if request.uri().path() == "/health" || given == Some(key.as_str()) {
+        return next.run(request).await;
+    }
+    let mut response = error(
+        StatusCode::UNAUTHORIZED,
+        "a valid API key is needed (Authorization: Bearer <key>)",
+        "invalid_api_key",
+    );
+    let challenge = axum::http::HeaderValue::from_static("Bearer");
+    (response.headers_mut()).insert(axum::http::header::WWW_AUTHENTICATE, challenge);
+    response
+}
+
+/// One log line per request: method, route, status and time to the response's head (a
+/// stream goes on after it).
+async fn access_log(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let (method, path) = (request.method().clone(), request.uri().path().to_string());
+    let started = std::time::Instant::now();
+    let response = next.run(request).await;
+    log::info!(
+        "{method} {path} {} {:.1} ms",
+        response.status().as_u16(),
+        started.elapsed().as_secs_f64() * 1e3
+    );
+    response
+}
+
+/// Serves `model` (called `name`) on `host:port` within `limits` until the process is stopped;
+/// `ready` is called with the bound address (port 0 picks a free one).
+#[allow(clippy::too_many_arguments)] // the CLI's serve options, each used once
 pub fn serve(
     model: Model,
     name: String,
@@ -884,11 +957,12 @@ pub fn serve(
     tier: SessionTier,
     host: &str,
     port: u16,
+    limits: ServeLimits,
     ready: impl FnOnce(std::net::SocketAddr),
 ) -> Result<()> {
     let model = Arc::new(model);
     let stops = crate::chat::stop_ids(&model.config);
-    let (jobs, queue) = flume::unbounded();
+    let (jobs, queue) = flume::bounded(limits.queue.max(1));
     let shared = Arc::new(Shared {
         name,
         context,
@@ -896,6 +970,7 @@ pub fn serve(
         stops,
         jobs,
         tokenizer: Tokenizer::o200k_harmony(),
+        limits,
     });
     let worker_model = model.clone();
     let (opened, open_result) = std::sync::mpsc::channel();
@@ -913,6 +988,11 @@ pub fn serve(
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .fallback(not_found)
+        .layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
+            authorize,
+        ))
+        .layer(axum::middleware::from_fn(access_log))
         .with_state(shared);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -948,6 +1028,29 @@ mod tests {
             calls.extend(c);
         }
         (output, deltas, calls)
+    }
+
+    /// A full queue answers 503 with Retry-After instead of growing without bound.
+    #[test]
+    fn a_full_queue_is_refused_with_retry_after() {
+        let (jobs, _waiting) = flume::bounded(1);
+        let shared = Shared {
+            name: "m".into(),
+            context: 64,
+            vocab_size: 256,
+            stops: Vec::new(),
+            jobs,
+            tokenizer: Tokenizer::o200k_harmony(),
+            limits: ServeLimits {
+                queue: 1,
+                ..Default::default()
+            },
+        };
+        let options = SamplingOptions::default();
+        assert!(shared.submit(vec![1], 4, options).is_ok());
+        let refused = shared.submit(vec![1], 4, options).unwrap_err();
+        assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(refused.headers()["retry-after"], "1");
     }
 
     #[test]

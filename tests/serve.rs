@@ -69,11 +69,22 @@ fn server(extra: &[&str]) -> Server {
 
 /// One HTTP/1.1 request; returns the status and the (de-chunked) body.
 fn request(port: u16, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    request_with(port, method, path, "", body)
+}
+
+/// `request` with more header lines (each ending in CRLF).
+fn request_with(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: Option<&str>,
+) -> (u16, String) {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
     let body = body.unwrap_or("");
     write!(
         stream,
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{headers}Connection: close\r\n\r\n{body}",
         body.len()
     )
     .unwrap();
@@ -534,4 +545,31 @@ fn chat_on_a_model_without_the_harmony_vocabulary_is_a_clear_error() {
         !out.status.success() && stderr.contains("o200k_harmony vocabulary"),
         "{stderr}"
     );
+}
+
+/// With --api-key every route but /health needs the key; --max-tokens-limit cuts a request's
+/// max_tokens.
+#[test]
+fn api_key_and_token_limit_are_enforced() {
+    let s = server(&["--api-key", "s3cret", "--max-tokens-limit", "3"]);
+    assert_eq!(request(s.port, "GET", "/health", None).0, 200);
+    let body = chat("Hello", 10).to_string();
+    for headers in [
+        "",
+        "Authorization: Bearer wrong\r\n",
+        "Authorization: s3cret\r\n",
+    ] {
+        let (status, text) =
+            request_with(s.port, "POST", "/v1/chat/completions", headers, Some(&body));
+        assert_eq!(status, 401, "{headers:?}: {text}");
+        let error: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(error["error"]["code"], "invalid_api_key");
+    }
+    assert_eq!(request(s.port, "GET", "/v1/models", None).0, 401);
+    let key = "Authorization: Bearer s3cret\r\n";
+    let (status, text) = request_with(s.port, "POST", "/v1/chat/completions", key, Some(&body));
+    assert_eq!(status, 200, "{text}");
+    let reply: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(reply["usage"]["completion_tokens"], 3, "{reply}");
+    assert_eq!(reply["choices"][0]["finish_reason"], "length", "{reply}");
 }
