@@ -9,7 +9,7 @@ use serde_json::json;
 
 use picchio::Model;
 use picchio::model::generate::{
-    BackendChoice, GenerateOptions, Session, generate_observed, open_session, validate_prompt,
+    BackendChoice, GenerateOptions, Session, generate_streamed, open_session, validate_prompt,
 };
 use picchio::model::gpu_tier::GpuTierOptions;
 use picchio::weights::{Checkpoint, tensor_format, tensor_role};
@@ -615,10 +615,27 @@ fn run(cli: Cli) -> Result<()> {
             };
             // GPU counters at the end of the prefill and of the run: the decode phase's share.
             let mut marks = Vec::new();
-            let out =
-                generate_observed(&mut session, &loaded.config, ids, &options, &mut |s, _| {
-                    marks.push(s.gpu_counters())
-                })?;
+            // Plain ids go out as they come, so an interrupt loses none of them.
+            interrupts::catch();
+            let mut streamed = 0usize;
+            let out = generate_streamed(
+                &mut session,
+                &loaded.config,
+                ids,
+                &options,
+                &mut |s, _| marks.push(s.gpu_counters()),
+                &mut |step| {
+                    if !json {
+                        use std::io::Write;
+                        let mut stdout = std::io::stdout().lock();
+                        let gap = if streamed > 0 { " " } else { "" };
+                        let _ = write!(stdout, "{gap}{}", step.id).and_then(|()| stdout.flush());
+                        streamed += 1;
+                    }
+                    !interrupts::happened()
+                },
+            )?;
+            let interrupted = out.stop == picchio::model::generate::StopReason::Interrupted;
             let ran_on = session.backend();
             loaded.experts.save_usage();
             if let Some(rate) = out.decode_tokens_per_s() {
@@ -646,6 +663,7 @@ fn run(cli: Cli) -> Result<()> {
                     "prefill_ms": out.prefill_ms,
                     "decode_tokens_per_s": out.decode_tokens_per_s(),
                     "stop_reason": format!("{:?}", out.stop).to_lowercase(),
+                    "interrupted": interrupted,
                     // The generated text, for models with the o200k_harmony vocabulary.
                     "text": harmony_text(&loaded.config, &out.generated_ids),
                 });
@@ -723,8 +741,11 @@ fn run(cli: Cli) -> Result<()> {
                 }
                 println!("{object}");
             } else {
-                let ids: Vec<String> = out.generated_ids.iter().map(u32::to_string).collect();
-                println!("{}", ids.join(" "));
+                println!();
+            }
+            if interrupted {
+                log::warn!("interrupted after {} tokens", out.generated_ids.len());
+                std::process::exit(130);
             }
             Ok(())
         }
@@ -1352,4 +1373,35 @@ fn human_short(bytes: u64) -> String {
 
 fn human(bytes: usize) -> String {
     format!("{bytes} bytes ({:.3} GB)", bytes as f64 / 1e9)
+}
+
+/// Ctrl-C and SIGTERM during `generate`: the first stops generation after the current token
+/// (what was generated is still printed); a second ends the process at once.
+mod interrupts {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    static HAPPENED: AtomicBool = AtomicBool::new(false);
+
+    pub fn happened() -> bool {
+        HAPPENED.load(Ordering::SeqCst)
+    }
+
+    #[cfg(unix)]
+    extern "C" fn on_signal(_: libc::c_int) {
+        if HAPPENED.swap(true, Ordering::SeqCst) {
+            // Safety: _exit is async-signal-safe and touches no state of this process.
+            unsafe { libc::_exit(130) };
+        }
+    }
+
+    /// Installs the handler (Unix; elsewhere the default handling stays).
+    pub fn catch() {
+        #[cfg(unix)]
+        for signal in [libc::SIGINT, libc::SIGTERM] {
+            let handler = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+            // Safety: the handler only touches an atomic and calls _exit, both
+            // async-signal-safe.
+            unsafe { libc::signal(signal, handler) };
+        }
+    }
 }

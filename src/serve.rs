@@ -947,8 +947,9 @@ async fn access_log(request: axum::extract::Request, next: axum::middleware::Nex
     response
 }
 
-/// Serves `model` (called `name`) on `host:port` within `limits` until the process is stopped;
-/// `ready` is called with the bound address (port 0 picks a free one).
+/// Serves `model` (called `name`) on `host:port` within `limits` until Ctrl-C or SIGTERM, then
+/// lets the requests in flight finish (at most `SHUTDOWN_GRACE`) and returns; `ready` is called
+/// with the bound address (port 0 picks a free one).
 #[allow(clippy::too_many_arguments)] // the CLI's serve options, each used once
 pub fn serve(
     model: Model,
@@ -1007,10 +1008,58 @@ pub fn serve(
             .local_addr()
             .map_err(|e| Error::io(format!("{host}:{port}"), e))?;
         ready(address);
-        axum::serve(listener, app)
-            .await
-            .map_err(|e| Error::io("HTTP server", e))
+        let (stopping, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = axum::serve(listener, app).with_graceful_shutdown(async move {
+            stop_signal().await;
+            log::info!(
+                "stopping: no new connections; requests in flight get {} s to finish",
+                SHUTDOWN_GRACE.as_secs()
+            );
+            let _ = stopping.send(());
+        });
+        let grace_over = async {
+            if stopped.await.is_ok() {
+                tokio::time::sleep(SHUTDOWN_GRACE).await;
+            } else {
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::select! {
+            served = server => served.map_err(|e| Error::io("HTTP server", e)),
+            () = grace_over => {
+                log::warn!("requests still running after the grace period: ending them");
+                Ok(())
+            }
+        }
     })
+}
+
+/// How long requests in flight may run on after a stop signal.
+const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Ctrl-C, or SIGTERM on Unix.
+async fn stop_signal() {
+    let interrupt = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut terminate) => {
+                terminate.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = interrupt => {}
+        () = terminate => {}
+    }
 }
 
 #[cfg(test)]

@@ -794,3 +794,77 @@ fn damaged_expert_records_are_errors_not_different_tokens() {
     assert!(ok, "{stderr}");
     assert_eq!(stdout.split_whitespace().count(), 2, "{stdout}");
 }
+
+/// Ctrl-C during `generate` keeps what was generated: plain ids are printed as they come and
+/// end with a newline, `--json` is still one object (`"interrupted": true`); exit code 130.
+#[cfg(unix)]
+#[test]
+fn an_interrupted_generation_prints_what_it_has() {
+    use std::io::Read;
+    let dir = fixtures_dir().join("tiny-single");
+    for json in [false, true] {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_picchio"));
+        command
+            .args([
+                "generate",
+                "--model",
+                dir.to_str().unwrap(),
+                "--ids",
+                "1,2,3",
+            ])
+            .args([
+                "--max-new-tokens",
+                "1000000",
+                "--ignore-eos",
+                "--backend",
+                "cpu",
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null());
+        if json {
+            command.arg("--json");
+        }
+        let mut child = command.spawn().unwrap();
+        let mut stdout = child.stdout.take().unwrap();
+        let mut seen = Vec::new();
+        if json {
+            std::thread::sleep(std::time::Duration::from_millis(1500));
+        } else {
+            // The first ids arrive before the end.
+            let mut byte = [0u8; 1];
+            while seen.iter().filter(|&&b| b == b' ').count() < 3 {
+                stdout.read_exact(&mut byte).unwrap();
+                seen.push(byte[0]);
+            }
+        }
+        let pid = child.id().to_string();
+        assert!(
+            Command::new("kill")
+                .args(["-INT", &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+        stdout.read_to_end(&mut seen).unwrap();
+        let status = child.wait().unwrap();
+        assert_eq!(status.code(), Some(130), "json {json}");
+        let text = String::from_utf8(seen).unwrap();
+        let ids: Vec<u32> = if json {
+            let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(v["interrupted"], true);
+            assert_eq!(v["stop_reason"], "interrupted");
+            serde_json::from_value(v["generated_ids"].clone()).unwrap()
+        } else {
+            assert!(text.ends_with('\n'), "{text:?}");
+            text.split_whitespace()
+                .map(|w| w.parse().unwrap())
+                .collect()
+        };
+        assert!(
+            !ids.is_empty() && ids.len() < 1_000_000,
+            "json {json}: {}",
+            ids.len()
+        );
+        assert!(ids.iter().all(|&id| id < 256));
+    }
+}

@@ -573,3 +573,46 @@ fn api_key_and_token_limit_are_enforced() {
     assert_eq!(reply["usage"]["completion_tokens"], 3, "{reply}");
     assert_eq!(reply["choices"][0]["finish_reason"], "length", "{reply}");
 }
+
+/// SIGTERM stops a server cleanly: a stream in flight still ends with [DONE], and the process
+/// exits 0.
+#[cfg(unix)]
+#[test]
+fn a_stop_signal_lets_streams_finish_and_exits_cleanly() {
+    let mut s = server(&["--backend", "cpu"]);
+    let port = s.port;
+    let client = std::thread::spawn(move || {
+        let mut body = chat("Hello", 20);
+        body["stream"] = json!(true);
+        request(
+            port,
+            "POST",
+            "/v1/chat/completions",
+            Some(&body.to_string()),
+        )
+    });
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let pid = s.child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = s.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no exit after SIGTERM"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status:?}");
+    let (code, body) = client.join().unwrap();
+    assert_eq!(code, 200);
+    assert!(body.contains("data: [DONE]"), "{body}");
+}

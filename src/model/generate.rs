@@ -34,6 +34,8 @@ pub enum StopReason {
     MaxNewTokens,
     Eos,
     ContextFull,
+    /// The caller stopped it (`generate_streamed`'s `on_token` said no more).
+    Interrupted,
 }
 
 #[derive(Debug, Clone)]
@@ -551,6 +553,19 @@ pub fn generate_observed(
     options: &GenerateOptions,
     observe: &mut dyn FnMut(&dyn Session, bool),
 ) -> Result<Generation> {
+    generate_streamed(session, config, prompt, options, observe, &mut |_| true)
+}
+
+/// Like `generate_observed`, calling `on_token` with each step as it is chosen; when it returns
+/// false, generation stops there (`StopReason::Interrupted`), the step kept.
+pub fn generate_streamed(
+    session: &mut dyn Session,
+    config: &Config,
+    prompt: &[u32],
+    options: &GenerateOptions,
+    observe: &mut dyn FnMut(&dyn Session, bool),
+    on_token: &mut dyn FnMut(&Step) -> bool,
+) -> Result<Generation> {
     validate_prompt(config, prompt, options.context)?;
     let mut generation = Generation {
         prompt_ids: prompt.to_vec(),
@@ -573,8 +588,13 @@ pub fn generate_observed(
     let decode_started = Instant::now();
     loop {
         let id = step.id;
+        let go_on = on_token(&step);
         generation.generated_ids.push(id);
         generation.steps.push(step);
+        if !go_on {
+            generation.stop = StopReason::Interrupted;
+            break;
+        }
         if options.stop_at_eos && config.eos_token_ids.contains(&id) {
             generation.stop = StopReason::Eos;
             break;
