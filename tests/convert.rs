@@ -231,3 +231,29 @@ fn damaged_or_mismatched_stores_are_clear_errors() {
     .to_string();
     assert!(error.contains("int4"), "{error}");
 }
+
+/// Fault injection: the records file cut short in the middle of a run (every expert read from
+/// disk, nothing kept in RAM, with and without direct IO) makes the next token an error naming
+/// the file, never a token computed from a short read.
+#[test]
+fn records_cut_short_mid_run_are_an_error_not_wrong_tokens() {
+    use picchio::model::generate::Session;
+    let src = fixtures_dir().join("tiny-long");
+    let reference = reference(&src);
+    for direct_io in [false, true] {
+        let out = converted(&src, FlatFormat::Mxfp4);
+        let model = load(out.path(), RamBudget::Bytes(0), direct_io);
+        let mut session = CpuSession::new(&model, 4096);
+        let first = session.feed(&reference.prompt_ids, 0).unwrap();
+        assert_eq!(first.id, reference.generated_ids[0]);
+        let records = out.path().join(RECORDS_FILE);
+        let length = std::fs::metadata(&records).unwrap().len();
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&records)
+            .unwrap();
+        file.set_len(length / 3).unwrap();
+        let error = session.feed(&[first.id], 0).unwrap_err().to_string();
+        assert!(error.contains(RECORDS_FILE), "direct {direct_io}: {error}");
+    }
+}
