@@ -13,6 +13,8 @@
 // Handlers' checks return the error response itself (axum's `Response` is large by design).
 #![allow(clippy::result_large_err)]
 
+mod metrics;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -96,6 +98,9 @@ struct Shared {
     jobs: flume::Sender<Job>,
     tokenizer: Tokenizer,
     limits: ServeLimits,
+    metrics: Arc<metrics::Metrics>,
+    /// The model, for its expert counters in /metrics.
+    model: Arc<Model>,
 }
 
 /// Runs the model worker: one job at a time, one session kept across jobs, on `tier`. Says
@@ -106,6 +111,7 @@ fn worker(
     tier: SessionTier,
     opened: std::sync::mpsc::Sender<Result<()>>,
     jobs: flume::Receiver<Job>,
+    metrics: Arc<metrics::Metrics>,
 ) {
     let mut session = match ChatSession::open(&model, &tier, context) {
         Ok(session) => {
@@ -119,6 +125,7 @@ fn worker(
     };
     for job in jobs.iter() {
         let replies = job.replies.clone();
+        let started = std::time::Instant::now();
         let reused = match session.feed(&job.ids) {
             Ok(reused) => reused,
             Err(e) => {
@@ -131,12 +138,16 @@ fn worker(
             // A closed channel: the client went away, stop here.
             replies.send(Reply::Token(token)).is_ok()
         });
+        let micros = started.elapsed().as_micros() as u64;
         let _ = replies.send(match result {
-            Ok((_, finish)) => Reply::Done {
-                prompt_tokens: job.ids.len(),
-                reused,
-                finish,
-            },
+            Ok((tokens, finish)) => {
+                metrics.count_request(job.ids.len(), reused, tokens.len(), micros);
+                Reply::Done {
+                    prompt_tokens: job.ids.len(),
+                    reused,
+                    finish,
+                }
+            }
             Err(e) => {
                 session.reset();
                 Reply::Failed(e.to_string())
@@ -900,6 +911,12 @@ async fn models(State(shared): State<Arc<Shared>>) -> Response {
     .into_response()
 }
 
+async fn metrics(State(shared): State<Arc<Shared>>) -> Response {
+    let text = (shared.metrics).render(shared.jobs.len(), &shared.model.experts.stats());
+    let kind = "text/plain; version=0.0.4; charset=utf-8";
+    ([(axum::http::header::CONTENT_TYPE, kind)], text).into_response()
+}
+
 async fn health() -> Response {
     Json(json!({"status": "ok"})).into_response()
 }
@@ -934,11 +951,16 @@ async fn authorize(
 }
 
 /// One log line per request: method, route, status and time to the response's head (a
-/// stream goes on after it).
-async fn access_log(request: axum::extract::Request, next: axum::middleware::Next) -> Response {
+/// stream goes on after it); the status is counted for /metrics.
+async fn access_log(
+    State(shared): State<Arc<Shared>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
     let (method, path) = (request.method().clone(), request.uri().path().to_string());
     let started = std::time::Instant::now();
     let response = next.run(request).await;
+    shared.metrics.count_response(response.status().as_u16());
     log::info!(
         "{method} {path} {} {:.1} ms",
         response.status().as_u16(),
@@ -964,6 +986,7 @@ pub fn serve(
     let model = Arc::new(model);
     let stops = crate::chat::stop_ids(&model.config);
     let (jobs, queue) = flume::bounded(limits.queue.max(1));
+    let counters = Arc::new(metrics::Metrics::default());
     let shared = Arc::new(Shared {
         name,
         context,
@@ -972,12 +995,14 @@ pub fn serve(
         jobs,
         tokenizer: Tokenizer::o200k_harmony(),
         limits,
+        metrics: counters.clone(),
+        model: model.clone(),
     });
     let worker_model = model.clone();
     let (opened, open_result) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("picchio-model".into())
-        .spawn(move || worker(worker_model, context, tier, opened, queue))
+        .spawn(move || worker(worker_model, context, tier, opened, queue, counters))
         .map_err(|e| Error::io("model worker", e))?;
     // No request is taken before the session opened (on the GPU: weights uploaded).
     open_result
@@ -988,12 +1013,16 @@ pub fn serve(
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        .route("/metrics", get(metrics))
         .fallback(not_found)
         .layer(axum::middleware::from_fn_with_state(
             shared.clone(),
             authorize,
         ))
-        .layer(axum::middleware::from_fn(access_log))
+        .layer(axum::middleware::from_fn_with_state(
+            shared.clone(),
+            access_log,
+        ))
         .with_state(shared);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -1094,6 +1123,13 @@ mod tests {
                 queue: 1,
                 ..Default::default()
             },
+            metrics: Default::default(),
+            model: Arc::new(
+                Model::load(
+                    &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-single"),
+                )
+                .unwrap(),
+            ),
         };
         let options = SamplingOptions::default();
         assert!(shared.submit(vec![1], 4, options).is_ok());

@@ -548,7 +548,7 @@ fn chat_on_a_model_without_the_harmony_vocabulary_is_a_clear_error() {
 }
 
 /// With --api-key every route but /health needs the key; --max-tokens-limit cuts a request's
-/// max_tokens.
+/// max_tokens; /metrics counts what was served.
 #[test]
 fn api_key_and_token_limit_are_enforced() {
     let s = server(&["--api-key", "s3cret", "--max-tokens-limit", "3"]);
@@ -572,6 +572,29 @@ fn api_key_and_token_limit_are_enforced() {
     let reply: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(reply["usage"]["completion_tokens"], 3, "{reply}");
     assert_eq!(reply["choices"][0]["finish_reason"], "length", "{reply}");
+    // /metrics counts what was served (behind the key too).
+    assert_eq!(request(s.port, "GET", "/metrics", None).0, 401);
+    let (status, text) = request_with(s.port, "GET", "/metrics", key, None);
+    assert_eq!(status, 200, "{text}");
+    let sample = |name: &str| -> f64 {
+        let line = text.lines().find(|l| l.starts_with(name)).expect(name);
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert_eq!(sample("picchio_completion_tokens_total "), 3.0, "{text}");
+    assert!(sample("picchio_prompt_tokens_total ") > 0.0, "{text}");
+    // /health and the chat completion.
+    assert_eq!(
+        sample("picchio_http_responses_total{status=\"200\"}"),
+        2.0,
+        "{text}"
+    );
+    assert!(
+        sample("picchio_http_responses_total{status=\"401\"}") >= 4.0,
+        "{text}"
+    );
+    assert_eq!(sample("picchio_queue_depth "), 0.0, "{text}");
+    assert!(sample("picchio_expert_requests_total ") > 0.0, "{text}");
+    assert!(sample("picchio_tokens_per_second ") > 0.0, "{text}");
 }
 
 /// SIGTERM stops a server cleanly: a stream in flight still ends with [DONE], and the process
