@@ -374,7 +374,7 @@ impl Shared {
             read_exact_at(file, crate::weights::page_bytes_mut(&mut buffer), at(part))
                 .map_err(|e| Error::io(path, e))?;
             if let Some(records) = &self.records {
-                records.check(key, Some(crate::weights::page_bytes_mut(&mut buffer)))?;
+                records.check(key, Some(crate::weights::page_bytes(&buffer)))?;
             }
             let buffer = Arc::new(buffer);
             (

@@ -616,24 +616,29 @@ fn context_and_threads_beyond_the_machine_are_clamped() {
     assert!(stderr.contains("--threads 100000"), "{stderr}");
 }
 
-/// A converted store whose index gives a record stride past the records file is refused before
-/// any read, naming the field, by `verify` and by `generate`.
-#[test]
-fn crafted_record_stride_is_refused_before_any_read() {
+/// tiny-single converted by `picchio convert` into a new directory (kept while the first value
+/// lives): the store's path and its index.
+fn converted_tiny_single() -> (tempfile::TempDir, std::path::PathBuf, serde_json::Value) {
     let store = tempfile::tempdir().unwrap();
     let out = store.path().join("flat");
     let source = fixtures_dir().join("tiny-single");
-    let (ok, _, stderr) = picchio(&[
+    picchio_stdout(&[
         "convert",
         "--model",
         source.to_str().unwrap(),
         "--out",
         out.to_str().unwrap(),
     ]);
-    assert!(ok, "{stderr}");
+    let index = std::fs::read_to_string(out.join("experts.json")).unwrap();
+    (store, out, serde_json::from_str(&index).unwrap())
+}
+
+/// A converted store whose index gives a record stride past the records file is refused before
+/// any read, naming the field, by `verify` and by `generate`.
+#[test]
+fn crafted_record_stride_is_refused_before_any_read() {
+    let (_store, out, mut index) = converted_tiny_single();
     let index_path = out.join("experts.json");
-    let mut index: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&index_path).unwrap()).unwrap();
     for stride in [4096u64 << 50, 4096 * 1000] {
         index["record_stride"] = stride.into();
         std::fs::write(&index_path, index.to_string()).unwrap();
@@ -732,19 +737,7 @@ fn interrupted_conversions_are_recognised_and_retried() {
 /// read, on every backend and with direct IO; `--check-records off` skips the check.
 #[test]
 fn damaged_expert_records_are_errors_not_different_tokens() {
-    let store = tempfile::tempdir().unwrap();
-    let out = store.path().join("flat");
-    let source = fixtures_dir().join("tiny-single");
-    let (ok, _, stderr) = picchio(&[
-        "convert",
-        "--model",
-        source.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-    ]);
-    assert!(ok, "{stderr}");
-    let index: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out.join("experts.json")).unwrap()).unwrap();
+    let (_store, out, index) = converted_tiny_single();
     let stride = index["record_stride"].as_u64().unwrap() as usize;
     let records = out.join("experts.bin");
     let mut bytes = std::fs::read(&records).unwrap();
@@ -837,14 +830,7 @@ fn an_interrupted_generation_prints_what_it_has() {
                 seen.push(byte[0]);
             }
         }
-        let pid = child.id().to_string();
-        assert!(
-            Command::new("kill")
-                .args(["-INT", &pid])
-                .status()
-                .unwrap()
-                .success()
-        );
+        send_signal(&child, "INT");
         stdout.read_to_end(&mut seen).unwrap();
         let status = child.wait().unwrap();
         assert_eq!(status.code(), Some(130), "json {json}");

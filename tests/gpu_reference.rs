@@ -296,12 +296,39 @@ fn both_tiers_run_the_same_layer_ops() {
     );
 }
 
+/// Runs `turns` (positions to keep, ids after them) on `session`, each followed by `new_tokens`
+/// sampled with `sampling` (its seed plus the turn's number); `before` runs ahead of each turn
+/// with the turn's number. Returns every token generated.
+fn sampled_turns(
+    session: &mut picchio::model::session::ChatSession,
+    turns: &[(usize, Vec<u32>)],
+    sampling: picchio::model::sampler::SamplingOptions,
+    new_tokens: usize,
+    before: impl Fn(&picchio::model::session::ChatSession, usize),
+) -> Vec<u32> {
+    let mut out = Vec::new();
+    for (turn, (keep, ids)) in turns.iter().enumerate() {
+        before(session, turn);
+        session.extend(*keep, ids).unwrap();
+        let mut sampler =
+            picchio::model::sampler::Sampler::new(picchio::model::sampler::SamplingOptions {
+                seed: sampling.seed + turn as u64,
+                ..sampling
+            });
+        let (tokens, _) = session
+            .generate(new_tokens, &mut sampler, &[], |_| true)
+            .unwrap();
+        out.extend(tokens);
+    }
+    out
+}
+
 /// A chat session on the GPU cuts its cache back to a kept prefix like the CPU tier's, and one
 /// whose device is lost mid-conversation goes on on the CPU tier with the same tokens.
 #[test]
 fn gpu_chat_sessions_truncate_and_survive_a_lost_device() {
     use picchio::model::generate::{BackendChoice, SessionTier};
-    use picchio::model::sampler::{Sampler, SamplingOptions};
+    use picchio::model::sampler::SamplingOptions;
     use picchio::model::session::ChatSession;
     let dir = fixtures_dir().join("tiny-routed");
     let model = Model::load(&dir).unwrap();
@@ -319,24 +346,13 @@ fn gpu_chat_sessions_truncate_and_survive_a_lost_device() {
         ..Default::default()
     };
     // Three turns: a prompt, a turn keeping part of it, a turn after the device is gone.
+    let turns = [(0, vec![3, 1, 4, 1, 5]), (3, vec![9, 2]), (6, vec![6])];
     let converse = |session: &mut ChatSession, lose_device: bool| -> Vec<u32> {
-        let mut out = Vec::new();
-        for (turn, (keep, ids)) in [(0, vec![3, 1, 4, 1, 5]), (3, vec![9, 2]), (6, vec![6])]
-            .into_iter()
-            .enumerate()
-        {
+        sampled_turns(session, &turns, sampling, 4, |session, turn| {
             if lose_device && turn == 2 {
                 session.tier().gpu().unwrap().ctx().device.destroy();
             }
-            session.extend(keep, &ids).unwrap();
-            let mut sampler = Sampler::new(SamplingOptions {
-                seed: sampling.seed + turn as u64,
-                ..sampling
-            });
-            let (tokens, _) = session.generate(4, &mut sampler, &[], |_| true).unwrap();
-            out.extend(tokens);
-        }
-        out
+        })
     };
     let mut cpu = ChatSession::open(&model, &tier(BackendChoice::Cpu), 256).unwrap();
     let mut gpu = ChatSession::open(&model, &tier(BackendChoice::Gpu), 256).unwrap();
@@ -356,27 +372,20 @@ fn sessions_of_one_runtime_share_the_weights_and_keep_their_own_caches() {
     use picchio::experts::VramBudget;
     use picchio::model::generate::{BackendChoice, Runtime};
     use picchio::model::gpu_tier::MissPolicy;
-    use picchio::model::sampler::{Sampler, SamplingOptions};
+    use picchio::model::sampler::SamplingOptions;
     use picchio::model::session::ChatSession;
     let dir = fixtures_dir().join("tiny-routed");
     let model = Model::load(&dir).unwrap();
     if gpu(None).is_none() {
         return;
     }
+    let sampling = SamplingOptions {
+        temperature: 0.8,
+        ..Default::default()
+    };
     let converse = |session: &mut ChatSession, first: u32| -> Vec<u32> {
-        let mut out = Vec::new();
         let turns = [(0, vec![first, 1, 4, 1, 5]), (3, vec![9, 2]), (6, vec![6])];
-        for (turn, (keep, ids)) in turns.into_iter().enumerate() {
-            session.extend(keep, &ids).unwrap();
-            let mut sampler = Sampler::new(SamplingOptions {
-                temperature: 0.8,
-                seed: turn as u64,
-                ..Default::default()
-            });
-            let (tokens, _) = session.generate(5, &mut sampler, &[], |_| true).unwrap();
-            out.extend(tokens);
-        }
-        out
+        sampled_turns(session, &turns, sampling, 5, |_, _| {})
     };
     let cpu = Runtime::open(&model, BackendChoice::Cpu, &gpu_options()).unwrap();
     let alone: Vec<Vec<u32>> = [3, 7]

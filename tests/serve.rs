@@ -615,14 +615,7 @@ fn a_stop_signal_lets_streams_finish_and_exits_cleanly() {
         )
     });
     std::thread::sleep(std::time::Duration::from_millis(300));
-    let pid = s.child.id().to_string();
-    assert!(
-        Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    common::send_signal(&s.child, "TERM");
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     let status = loop {
         if let Some(status) = s.child.try_wait().unwrap() {

@@ -3,6 +3,10 @@
 
 use std::io::BufRead;
 
+/// The longest line `serve --stdio` and `chat` read: a stdio `TURN` of a full 131,072-position
+/// context takes about 1 MB.
+pub const MAX_LINE_BYTES: usize = 16 << 20;
+
 /// One line of input, without its line ending.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Line {

@@ -16,16 +16,13 @@
 
 use std::io::{BufRead, Write};
 
-use super::lines::{Line, excerpt, read_line};
+use super::lines::{Line, MAX_LINE_BYTES, excerpt, read_line};
 use super::tokenizer::CALL;
 use crate::error::{Error, Result};
 use crate::model::Model;
 use crate::model::generate::SessionTier;
 use crate::model::sampler::{Sampler, SamplingOptions};
 use crate::model::session::{ChatSession, Finish};
-
-/// The longest line read: a `TURN` of a full 131,072-position context takes about 1 MB.
-pub const MAX_LINE_BYTES: usize = 16 << 20;
 
 /// A parsed `TURN` line.
 struct Turn {
@@ -89,6 +86,11 @@ fn send(output: &mut impl Write, line: &str) -> Result<()> {
         .map_err(|e| Error::io("the stdio protocol's output", e))
 }
 
+/// Answers a malformed line: `ERROR 400`, not fatal (the session is as it was).
+fn refuse(output: &mut impl Write, message: &str) -> Result<()> {
+    send(output, &format!("ERROR 400 0 {message}"))
+}
+
 /// Serves the protocol on `input`/`output` until `SHUTDOWN`, the end of input or a fatal error
 /// (returned after its `ERROR` line), the session on `tier`. `seed` seeds each turn's sampling
 /// (plus the turn's number).
@@ -120,31 +122,30 @@ pub fn serve(
             Some(Line::Text(line)) => line,
             Some(Line::TooLong) => {
                 let message = format!("the line is longer than {MAX_LINE_BYTES} bytes");
-                send(&mut output, &format!("ERROR 400 0 {message}"))?;
+                refuse(&mut output, &message)?;
                 continue;
             }
             Some(Line::NotUtf8) => {
-                send(&mut output, "ERROR 400 0 the line is not UTF-8")?;
+                refuse(&mut output, "the line is not UTF-8")?;
                 continue;
             }
         };
         let words: Vec<&str> = line.split_whitespace().collect();
         match words.as_slice() {
-            [] => send(
+            [] => refuse(
                 &mut output,
-                "ERROR 400 0 an empty line: expected TURN, RESET or SHUTDOWN",
+                "an empty line: expected TURN, RESET or SHUTDOWN",
             )?,
             ["SHUTDOWN"] => break,
             ["RESET"] => session.reset(),
-            [command @ ("RESET" | "SHUTDOWN"), ..] => send(
-                &mut output,
-                &format!("ERROR 400 0 {command} takes no arguments"),
-            )?,
+            [command @ ("RESET" | "SHUTDOWN"), ..] => {
+                refuse(&mut output, &format!("{command} takes no arguments"))?
+            }
             ["TURN", arguments @ ..] => {
                 let turn = match parse_turn(arguments, seed.wrapping_add(turns)) {
                     Ok(turn) => turn,
                     Err(message) => {
-                        send(&mut output, &format!("ERROR 400 0 {message}"))?;
+                        refuse(&mut output, &message)?;
                         continue;
                     }
                 };
@@ -184,9 +185,9 @@ pub fn serve(
                     }
                 }
             }
-            [other, ..] => send(
+            [other, ..] => refuse(
                 &mut output,
-                &format!("ERROR 400 0 unknown command {:?}", excerpt(other)),
+                &format!("unknown command {:?}", excerpt(other)),
             )?,
         }
     }

@@ -10,9 +10,8 @@ use std::time::Instant;
 use super::harmony::{
     ChatMessage, Conversation, DeveloperSettings, ReasoningEffort, Role, SystemSettings,
 };
-use super::lines::{Line, read_line};
+use super::lines::{Line, MAX_LINE_BYTES, read_line};
 use super::parser::{Event, StreamParser};
-use super::stdio::MAX_LINE_BYTES;
 use super::tokenizer::{HARMONY_VOCAB_SIZE, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::Model;

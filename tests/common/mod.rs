@@ -226,6 +226,17 @@ pub fn backends() -> Vec<&'static str> {
     backends
 }
 
+/// Sends `signal` (a name such as INT or TERM) to `child` with kill(1).
+#[cfg(unix)]
+pub fn send_signal(child: &std::process::Child, signal: &str) {
+    let sent = std::process::Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(child.id().to_string())
+        .status()
+        .unwrap();
+    assert!(sent.success(), "kill -{signal} {}", child.id());
+}
+
 /// The GPU for GPU tests, or None (with the reason printed) when there is none and CI did not ask
 /// for one: `PICCHIO_REQUIRE_GPU=1` (set by .ci/run) turns a missing adapter into a failure, and
 /// `PICCHIO_EXPECT_BACKEND` pins the wgpu backend.
