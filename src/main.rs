@@ -416,6 +416,24 @@ enum Command {
         /// PICCHIO_API_KEY environment variable, which keeps it out of the process list).
         #[arg(long, value_name = "KEY")]
         api_key: Option<String>,
+        /// Most HTTP connections open at once; one more is answered 503 and closed.
+        #[arg(long, default_value_t = 128, value_name = "N")]
+        max_connections: usize,
+        /// Largest HTTP request body in bytes; a larger one gets 413.
+        #[arg(long, default_value_t = 8 << 20, value_name = "BYTES")]
+        max_body_bytes: usize,
+        /// Seconds a connection may take to send a request's head, idle time between
+        /// requests included; then it is closed.
+        #[arg(long, default_value_t = 15, value_name = "SECONDS")]
+        header_timeout: u64,
+        /// Seconds a request's body may take to arrive; then 408.
+        #[arg(long, default_value_t = 30, value_name = "SECONDS")]
+        body_timeout: u64,
+        /// A Host name to serve besides localhost and loopback addresses (repeatable; "*"
+        /// serves any). Bound to loopback, other names get 403 (DNS-rebinding protection);
+        /// bound elsewhere, a list limits the names served.
+        #[arg(long = "allowed-host", value_name = "NAME")]
+        allowed_hosts: Vec<String>,
     },
     /// Encode text into o200k_harmony token ids (or, with --decode, ids into text).
     Tokenize {
@@ -852,9 +870,23 @@ fn run(cli: Cli) -> Result<()> {
             max_tokens_limit,
             queue_limit,
             api_key,
+            max_connections,
+            max_body_bytes,
+            header_timeout,
+            body_timeout,
+            allowed_hosts,
         } => {
-            if max_tokens_limit == 0 || queue_limit == 0 {
-                bail!("--max-tokens-limit and --queue-limit must be at least 1");
+            let at_least_one = [
+                max_tokens_limit,
+                queue_limit,
+                max_connections,
+                max_body_bytes,
+            ];
+            if at_least_one.contains(&0) || header_timeout == 0 || body_timeout == 0 {
+                bail!(
+                    "--max-tokens-limit, --queue-limit, --max-connections, --max-body-bytes, \
+                     --header-timeout and --body-timeout must be at least 1"
+                );
             }
             let api_key = api_key
                 .or_else(|| std::env::var("PICCHIO_API_KEY").ok())
@@ -863,6 +895,11 @@ fn run(cli: Cli) -> Result<()> {
                 max_tokens: max_tokens_limit,
                 queue: queue_limit,
                 api_key,
+                connections: max_connections,
+                body_bytes: max_body_bytes,
+                head_timeout: std::time::Duration::from_secs(header_timeout),
+                body_timeout: std::time::Duration::from_secs(body_timeout),
+                allowed_hosts,
             };
             let loaded = model.load_for_chat(backend)?;
             let context = session_context(&loaded, context)?;

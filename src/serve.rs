@@ -13,11 +13,13 @@
 // Handlers' checks return the error response itself (axum's `Response` is large by design).
 #![allow(clippy::result_large_err)]
 
+mod guards;
+mod http;
 mod metrics;
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::extract::rejection::JsonRejection;
@@ -55,6 +57,18 @@ pub struct ServeLimits {
     pub queue: usize,
     /// When set, every route but /health needs `Authorization: Bearer <key>`.
     pub api_key: Option<String>,
+    /// Open connections at most; one more is answered 503 with Retry-After and closed.
+    pub connections: usize,
+    /// Largest request body in bytes; a larger one gets 413.
+    pub body_bytes: usize,
+    /// How long a connection may take to send a request's head, waiting idle between
+    /// requests included; then it is closed.
+    pub head_timeout: Duration,
+    /// How long a request's body may take to arrive (408 after).
+    pub body_timeout: Duration,
+    /// Host names served besides loopback ones when bound to loopback ("*": any); when bound
+    /// elsewhere, the only names served if any are given.
+    pub allowed_hosts: Vec<String>,
 }
 
 impl Default for ServeLimits {
@@ -63,6 +77,11 @@ impl Default for ServeLimits {
             max_tokens: 8192,
             queue: 64,
             api_key: None,
+            connections: 128,
+            body_bytes: 8 << 20,
+            head_timeout: Duration::from_secs(15),
+            body_timeout: Duration::from_secs(30),
+            allowed_hosts: Vec::new(),
         }
     }
 }
@@ -87,6 +106,8 @@ struct Job {
     sampling: SamplingOptions,
     stops: Vec<u32>,
     replies: mpsc::UnboundedSender<Reply>,
+    /// Where the request's token counts go for its access-log line.
+    tally: Arc<guards::Tally>,
 }
 
 /// What handlers share.
@@ -101,6 +122,8 @@ struct Shared {
     metrics: Arc<metrics::Metrics>,
     /// The model, for its expert counters in /metrics.
     model: Arc<Model>,
+    /// Whether the listener is on a loopback address (the Host allow-list applies).
+    bound_to_loopback: bool,
 }
 
 /// Runs the model worker: one job at a time, one session kept across jobs, on `tier`. Says
@@ -142,6 +165,7 @@ fn worker(
         let _ = replies.send(match result {
             Ok((tokens, finish)) => {
                 metrics.count_request(job.ids.len(), reused, tokens.len(), micros);
+                job.tally.record(job.ids.len(), tokens.len());
                 Reply::Done {
                     prompt_tokens: job.ids.len(),
                     reused,
@@ -478,6 +502,7 @@ impl Shared {
             sampling,
             stops: self.stops.clone(),
             replies,
+            tally: guards::Tally::current(),
         };
         match self.jobs.try_send(job) {
             Ok(()) => Ok(receiver),
@@ -925,52 +950,8 @@ async fn not_found() -> Response {
     error(StatusCode::NOT_FOUND, "no such route", "not_found")
 }
 
-/// Refuses a request without the server's API key (when it has one); /health stays open.
-async fn authorize(
-    State(shared): State<Arc<Shared>>,
-    request: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> Response {
-    let Some(key) = &shared.limits.api_key else {
-        return next.run(request).await;
-    };
-    let given = (request.headers().get(axum::http::header::AUTHORIZATION))
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.strip_prefix("Bearer "));
-    if request.uri().path() == "/health" || given == Some(key.as_str()) {
-        return next.run(request).await;
-    }
-    let mut response = error(
-        StatusCode::UNAUTHORIZED,
-        "a valid API key is needed (Authorization: Bearer <key>)",
-        "invalid_api_key",
-    );
-    let challenge = axum::http::HeaderValue::from_static("Bearer");
-    (response.headers_mut()).insert(axum::http::header::WWW_AUTHENTICATE, challenge);
-    response
-}
-
-/// One log line per request: method, route, status and time to the response's head (a
-/// stream goes on after it); the status is counted for /metrics.
-async fn access_log(
-    State(shared): State<Arc<Shared>>,
-    request: axum::extract::Request,
-    next: axum::middleware::Next,
-) -> Response {
-    let (method, path) = (request.method().clone(), request.uri().path().to_string());
-    let started = std::time::Instant::now();
-    let response = next.run(request).await;
-    shared.metrics.count_response(response.status().as_u16());
-    log::info!(
-        "{method} {path} {} {:.1} ms",
-        response.status().as_u16(),
-        started.elapsed().as_secs_f64() * 1e3
-    );
-    response
-}
-
 /// Serves `model` (called `name`) on `host:port` within `limits` until Ctrl-C or SIGTERM, then
-/// lets the requests in flight finish (at most `SHUTDOWN_GRACE`) and returns; `ready` is called
+/// lets the requests in flight finish (at most `http::SHUTDOWN_GRACE`) and returns; `ready` is called
 /// with the bound address (port 0 picks a free one).
 #[allow(clippy::too_many_arguments)] // the CLI's serve options, each used once
 pub fn serve(
@@ -984,87 +965,74 @@ pub fn serve(
     ready: impl FnOnce(std::net::SocketAddr),
 ) -> Result<()> {
     let model = Arc::new(model);
-    let stops = crate::chat::stop_ids(&model.config);
     let (jobs, queue) = flume::bounded(limits.queue.max(1));
     let counters = Arc::new(metrics::Metrics::default());
-    let shared = Arc::new(Shared {
-        name,
-        context,
-        vocab_size: model.config.vocab_size,
-        stops,
-        jobs,
-        tokenizer: Tokenizer::o200k_harmony(),
-        limits,
-        metrics: counters.clone(),
-        model: model.clone(),
-    });
-    let worker_model = model.clone();
+    let (worker_model, worker_counters) = (model.clone(), counters.clone());
     let (opened, open_result) = std::sync::mpsc::channel();
     std::thread::Builder::new()
         .name("picchio-model".into())
-        .spawn(move || worker(worker_model, context, tier, opened, queue, counters))
+        .spawn(move || worker(worker_model, context, tier, opened, queue, worker_counters))
         .map_err(|e| Error::io("model worker", e))?;
     // No request is taken before the session opened (on the GPU: weights uploaded).
     open_result
         .recv()
         .map_err(|_| Error::Gpu("the model worker stopped before its session opened".into()))??;
-    let app = Router::new()
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| Error::io("tokio runtime", e))?;
+    let bound = |e| Error::io(format!("{host}:{port}"), e);
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind((host, port)))
+        .map_err(bound)?;
+    let address = listener.local_addr().map_err(bound)?;
+    let connections = http::ConnectionLimits {
+        max_open: limits.connections.max(1),
+        head_timeout: limits.head_timeout,
+    };
+    let shared = Arc::new(Shared {
+        name,
+        context,
+        vocab_size: model.config.vocab_size,
+        stops: crate::chat::stop_ids(&model.config),
+        jobs,
+        tokenizer: Tokenizer::o200k_harmony(),
+        limits,
+        metrics: counters.clone(),
+        model,
+        bound_to_loopback: address.ip().is_loopback(),
+    });
+    ready(address);
+    let app = routes(shared);
+    runtime.block_on(http::run(
+        listener,
+        app,
+        connections,
+        counters,
+        stop_signal(),
+    ));
+    Ok(())
+}
+
+/// The API's routes behind the guards every request passes, outermost first: access log,
+/// Host allow-list, API key, body limits.
+fn routes(shared: Arc<Shared>) -> Router {
+    use axum::middleware::from_fn_with_state as guard;
+    Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(not_found)
-        .layer(axum::middleware::from_fn_with_state(
-            shared.clone(),
-            authorize,
-        ))
-        .layer(axum::middleware::from_fn_with_state(
-            shared.clone(),
-            access_log,
-        ))
-        .with_state(shared);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .map_err(|e| Error::io("tokio runtime", e))?;
-    runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind((host, port))
-            .await
-            .map_err(|e| Error::io(format!("{host}:{port}"), e))?;
-        let address = listener
-            .local_addr()
-            .map_err(|e| Error::io(format!("{host}:{port}"), e))?;
-        ready(address);
-        let (stopping, stopped) = tokio::sync::oneshot::channel::<()>();
-        let server = axum::serve(listener, app).with_graceful_shutdown(async move {
-            stop_signal().await;
-            log::info!(
-                "stopping: no new connections; requests in flight get {} s to finish",
-                SHUTDOWN_GRACE.as_secs()
-            );
-            let _ = stopping.send(());
-        });
-        let grace_over = async {
-            if stopped.await.is_ok() {
-                tokio::time::sleep(SHUTDOWN_GRACE).await;
-            } else {
-                std::future::pending::<()>().await;
-            }
-        };
-        tokio::select! {
-            served = server => served.map_err(|e| Error::io("HTTP server", e)),
-            () = grace_over => {
-                log::warn!("requests still running after the grace period: ending them");
-                Ok(())
-            }
-        }
-    })
+        .layer(axum::extract::DefaultBodyLimit::disable())
+        .layer(guard(shared.clone(), guards::limit_body))
+        .layer(guard(shared.clone(), guards::authorize))
+        .layer(guard(shared.clone(), guards::check_host))
+        .layer(guard(shared.clone(), guards::access_log))
+        .with_state(shared)
 }
-
-/// How long requests in flight may run on after a stop signal.
-const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Ctrl-C, or SIGTERM on Unix.
 async fn stop_signal() {
@@ -1124,6 +1092,7 @@ mod tests {
                 ..Default::default()
             },
             metrics: Default::default(),
+            bound_to_loopback: true,
             model: Arc::new(
                 Model::load(
                     &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-single"),

@@ -6,6 +6,7 @@ mod common;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
@@ -631,4 +632,104 @@ fn a_stop_signal_lets_streams_finish_and_exits_cleanly() {
     let (code, body) = client.join().unwrap();
     assert_eq!(code, 200);
     assert!(body.contains("data: [DONE]"), "{body}");
+}
+
+/// Sends `head_and_body` raw on a new connection and reads until the server closes it or
+/// `wait` passes; returns what came back and how long it took.
+fn raw_exchange(port: u16, head_and_body: &[u8], wait: Duration) -> (String, Duration) {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream.set_read_timeout(Some(wait)).unwrap();
+    let started = Instant::now();
+    stream.write_all(head_and_body).unwrap();
+    let mut reply = Vec::new();
+    let _ = stream.read_to_end(&mut reply);
+    (
+        String::from_utf8_lossy(&reply).into_owned(),
+        started.elapsed(),
+    )
+}
+
+/// Stalled, oversized and foreign requests are answered or closed within the server's limits,
+/// and the server then serves the next client (slowloris, a lying Content-Length, DNS
+/// rebinding, too many connections).
+#[test]
+fn stalled_oversized_and_foreign_requests_meet_the_limits() {
+    let limits = [
+        "--header-timeout",
+        "1",
+        "--body-timeout",
+        "1",
+        "--max-body-bytes",
+        "2000",
+        "--max-connections",
+        "4",
+        "--allowed-host",
+        "box.lan",
+    ];
+    let s = server(&limits);
+    let wait = Duration::from_secs(10);
+    // An idle connection and one whose head never ends are closed after the header timeout.
+    for sent in [&b""[..], b"GET /health HTTP/1.1\r\nHost: local"] {
+        let (reply, took) = raw_exchange(s.port, sent, wait);
+        assert!(
+            reply.is_empty() && took < Duration::from_secs(5),
+            "{reply:?} after {took:?}"
+        );
+    }
+    let head = |length: usize, host: &str| {
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+        )
+    };
+    let status = |reply: &str| {
+        reply
+            .split_whitespace()
+            .nth(1)
+            .unwrap_or("none")
+            .to_string()
+    };
+    // A body declared far beyond the limit: 413 at once, nothing read.
+    let (reply, took) = raw_exchange(s.port, head(100_000_000_000, "localhost").as_bytes(), wait);
+    assert_eq!(status(&reply), "413", "{reply}");
+    assert!(took < Duration::from_secs(1), "{took:?}");
+    // A body over the limit sent whole: the client reads the 413 rather than a reset.
+    let mut whole = head(10_000, "localhost").into_bytes();
+    whole.extend(std::iter::repeat_n(b'a', 10_000));
+    let (reply, _) = raw_exchange(s.port, &whole, wait);
+    assert!(reply.contains("request_too_large"), "{reply}");
+    // A body that stops arriving: 408 after the body timeout.
+    let (reply, took) = raw_exchange(
+        s.port,
+        format!("{}{{\"pro", head(50, "localhost")).as_bytes(),
+        wait,
+    );
+    assert_eq!(status(&reply), "408", "{reply}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    // Bound to loopback: a foreign Host is refused, a listed one served.
+    let body = r#"{"prompt":"Hi","max_tokens":2}"#;
+    for (host, expected) in [
+        ("evil.example", "403"),
+        ("box.lan:80", "200"),
+        ("127.0.0.1", "200"),
+    ] {
+        let sent = format!("{}{body}", head(body.len(), host))
+            .replace("\r\n\r\n", "\r\nConnection: close\r\n\r\n");
+        let (reply, _) = raw_exchange(s.port, sent.as_bytes(), wait);
+        assert_eq!(status(&reply), expected, "{host}: {reply}");
+    }
+    // One connection over the cap gets 503 with Retry-After; once one closes, the next is served.
+    let held: Vec<TcpStream> = (0..4)
+        .map(|_| TcpStream::connect(("127.0.0.1", s.port)).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let health = b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
+    let (reply, _) = raw_exchange(s.port, health, wait);
+    assert_eq!(status(&reply), "503", "{reply}");
+    assert!(
+        reply.to_ascii_lowercase().contains("retry-after: 1"),
+        "{reply}"
+    );
+    drop(held);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(request(s.port, "GET", "/health", None).0, 200);
 }

@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 
 use crate::experts::ExpertStats;
 
@@ -18,12 +18,25 @@ pub struct Metrics {
     completion_tokens: AtomicU64,
     /// Microseconds the model spent on requests (prefill and generation).
     model_us: AtomicU64,
+    /// Connections open now.
+    connections: AtomicI64,
+    /// Connections answered 503 because the server had its most open.
+    refused_connections: AtomicU64,
 }
 
 impl Metrics {
     pub fn count_response(&self, status: u16) {
         let mut responses = self.responses.lock().unwrap_or_else(|e| e.into_inner());
         *responses.entry(status).or_default() += 1;
+    }
+
+    /// A connection opened (+1) or closed (-1).
+    pub fn count_connection(&self, change: i64) {
+        self.connections.fetch_add(change, Ordering::Relaxed);
+    }
+
+    pub fn count_refused_connection(&self) {
+        self.refused_connections.fetch_add(1, Ordering::Relaxed);
     }
 
     /// One request the model ran: its prompt, positions reused, tokens generated, time taken.
@@ -105,6 +118,20 @@ impl Metrics {
             "gauge",
             "Requests waiting for the model.",
             &plain(queued as f64),
+        );
+        let open = self.connections.load(Ordering::Relaxed);
+        metric(
+            "http_connections",
+            "gauge",
+            "HTTP connections open.",
+            &plain(open as f64),
+        );
+        let refused = plain(load(&self.refused_connections));
+        metric(
+            "http_connections_refused_total",
+            "counter",
+            "Connections answered 503 because the server had its most open.",
+            &refused,
         );
         let experts = [
             (

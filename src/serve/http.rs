@@ -1,0 +1,107 @@
+//! The server's connections: accepted up to a cap, closed when a request's head does not
+//! arrive in time (idle keep-alive included), and wound down gracefully on a stop signal.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+
+use super::metrics::Metrics;
+
+/// How long requests in flight may run on after a stop signal.
+pub(super) const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// What bounds the connections.
+pub(super) struct ConnectionLimits {
+    pub max_open: usize,
+    pub head_timeout: Duration,
+}
+
+/// Serves `app` on `listener` until `stop` completes, then lets open connections finish their
+/// requests for at most `SHUTDOWN_GRACE`.
+pub(super) async fn run(
+    listener: TcpListener,
+    app: Router,
+    limits: ConnectionLimits,
+    metrics: Arc<Metrics>,
+    stop: impl Future<Output = ()>,
+) {
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.head_timeout);
+    let open = Arc::new(Semaphore::new(limits.max_open));
+    let graceful = GracefulShutdown::new();
+    tokio::pin!(stop);
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(e) => {
+                    // Out of file descriptors and the like: wait rather than spin.
+                    log::warn!("accepting a connection failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut stop => break,
+        };
+        let Ok(permit) = open.clone().try_acquire_owned() else {
+            metrics.count_refused_connection();
+            tokio::spawn(refuse(stream, limits.max_open));
+            continue;
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(app.clone());
+        let connection = builder.serve_connection(TokioIo::new(stream), service);
+        let connection = graceful.watch(connection);
+        let metrics = metrics.clone();
+        metrics.count_connection(1);
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                log::debug!("connection closed: {e}");
+            }
+            metrics.count_connection(-1);
+            drop(permit);
+        });
+    }
+    log::info!(
+        "stopping: no new connections; requests in flight get {} s to finish",
+        SHUTDOWN_GRACE.as_secs()
+    );
+    tokio::select! {
+        () = graceful.shutdown() => {}
+        () = tokio::time::sleep(SHUTDOWN_GRACE) => {
+            log::warn!("requests still running after the grace period: ending them");
+        }
+    }
+}
+
+/// Answers a connection over the cap with 503 and closes it, after reading what the client
+/// sent at once (closing with unread bytes would reset the connection before it reads this).
+async fn refuse(mut stream: TcpStream, max_open: usize) {
+    let mut request = [0u8; 8192];
+    let _ = tokio::time::timeout(Duration::from_millis(200), stream.read(&mut request)).await;
+    let body = serde_json::json!({"error": {
+        "message": format!("the server has {max_open} connections open; retry later"),
+        "type": "server_error", "param": null, "code": "server_busy"}})
+    .to_string();
+    let response = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         retry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = tokio::time::timeout(
+        Duration::from_secs(1),
+        stream.write_all(response.as_bytes()),
+    )
+    .await;
+    let _ = stream.shutdown().await;
+}
