@@ -447,3 +447,52 @@ fn layers_whose_experts_are_all_resident_need_no_sync() {
         assert!(p.vram_hits > 0, "{p:?}");
     }
 }
+
+/// An expert's copy into VRAM that fails mid-run (an injected fault) stops a lone GPU session
+/// with an error naming it; behind the fallback the CPU tier takes over with transformers'
+/// tokens; and a new session on the same weights, faults off, finds no slot the failed copies
+/// left claimed.
+#[test]
+fn a_failed_expert_upload_is_an_error_or_a_fallback_never_wrong_tokens() {
+    use picchio::model::generate::FallbackSession;
+    let dir = fixtures_dir().join("tiny-routed");
+    let reference = reference(&dir);
+    let model = Model::load(&dir).unwrap();
+    // One layer's worth of slots: every layer caches, so tokens keep uploading experts.
+    let options = GpuTierOptions {
+        vram_budget: slots(&model, model.config.num_experts as u64),
+        ..gpu_options()
+    };
+    let Some(mut lone) = gpu_session(&model, options.clone()) else {
+        return;
+    };
+    let weights = lone.weights().clone();
+    let run = |session: &mut dyn Session| {
+        generate_with(
+            session,
+            &model.config,
+            &reference.prompt_ids,
+            &greedy_options(32),
+        )
+    };
+    weights.ctx.fail_expert_uploads_after(5);
+    let failed = run(&mut lone).unwrap_err();
+    assert!(
+        matches!(failed, picchio::Error::Gpu(_)) && failed.to_string().contains("VRAM"),
+        "{failed}"
+    );
+    weights.ctx.fail_expert_uploads_after(20);
+    let gpu = GpuModel::on(weights.clone(), options.clone()).unwrap();
+    let mut fallback = FallbackSession::new(&model, gpu, 4096);
+    assert_eq!(
+        run(&mut fallback).unwrap().generated_ids,
+        reference.generated_ids
+    );
+    assert_eq!(fallback.backend(), "cpu", "the injected fault never fired");
+    weights.ctx.fail_expert_uploads_after(u64::MAX);
+    let mut again = GpuModel::on(weights, options).unwrap();
+    assert_eq!(
+        run(&mut again).unwrap().generated_ids,
+        reference.generated_ids
+    );
+}

@@ -3,118 +3,14 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
+use common::http::{picchio, request, request_with, server, tiny_harmony};
+
 use serde_json::{Value, json};
-
-struct Server {
-    child: Child,
-    port: u16,
-    _model: tempfile::TempDir,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn picchio() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_picchio"))
-}
-
-/// A fresh tiny-harmony model, in `DIR/tiny-harmony`.
-fn tiny_harmony() -> (tempfile::TempDir, std::path::PathBuf) {
-    let model = tempfile::tempdir().unwrap();
-    let dir = model.path().join("tiny-harmony");
-    common::picchio_stdout(&[
-        "synth",
-        "--shape",
-        "tiny-harmony",
-        "--out",
-        dir.to_str().unwrap(),
-    ]);
-    (model, dir)
-}
-
-/// A server on a free port over a fresh tiny-harmony model.
-fn server(extra: &[&str]) -> Server {
-    let (model, dir) = tiny_harmony();
-    let mut child = picchio()
-        .args(["serve", "--model", dir.to_str().unwrap(), "--port", "0"])
-        .args(extra)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let mut lines = BufReader::new(stderr).lines();
-    let port = loop {
-        let line = lines.next().expect("server exited").unwrap();
-        if let Some(address) = line.strip_prefix("picchio: listening on http://") {
-            break address.rsplit(':').next().unwrap().parse().unwrap();
-        }
-    };
-    // Keep draining stderr so the server never blocks on it.
-    std::thread::spawn(move || for _ in lines {});
-    Server {
-        child,
-        port,
-        _model: model,
-    }
-}
-
-/// One HTTP/1.1 request; returns the status and the (de-chunked) body.
-fn request(port: u16, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
-    request_with(port, method, path, "", body)
-}
-
-/// `request` with more header lines (each ending in CRLF).
-fn request_with(
-    port: u16,
-    method: &str,
-    path: &str,
-    headers: &str,
-    body: Option<&str>,
-) -> (u16, String) {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    let body = body.unwrap_or("");
-    write!(
-        stream,
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{headers}Connection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).unwrap();
-    let raw = String::from_utf8(raw).unwrap();
-    let (head, rest) = raw.split_once("\r\n\r\n").unwrap();
-    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
-    let chunked = head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked");
-    let body = if chunked {
-        let mut out = String::new();
-        let mut rest = rest;
-        loop {
-            let (size, after) = rest.split_once("\r\n").unwrap();
-            let size = usize::from_str_radix(size.trim(), 16).unwrap();
-            if size == 0 {
-                break;
-            }
-            out.push_str(&after[..size]);
-            rest = &after[size + 2..];
-        }
-        out
-    } else {
-        rest.to_string()
-    };
-    (status, body)
-}
 
 fn post(port: u16, path: &str, body: &Value) -> (u16, Value) {
     let (status, text) = request(port, "POST", path, Some(&body.to_string()));

@@ -1,7 +1,7 @@
 //! wgpu instance, adapter choice and device creation with the adapter's real limits.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use wgpu::{Backends, DeviceType};
 
@@ -113,6 +113,8 @@ pub struct GpuContext {
     /// What weight uploads have queued (`upload`).
     pub uploads: super::UploadMeter,
     lost: Arc<AtomicBool>,
+    /// Expert uploads still allowed before an injected fault (`u64::MAX`: no fault).
+    expert_uploads_before_fault: AtomicU64,
 }
 
 impl GpuContext {
@@ -185,12 +187,35 @@ impl GpuContext {
             max_buffer_bytes: limits.max_buffer_size,
             max_workgroups_per_dimension: limits.max_compute_workgroups_per_dimension,
             lost,
+            expert_uploads_before_fault: AtomicU64::new(u64::MAX),
         })
     }
 
     /// True once the driver reported the device lost.
     pub fn is_lost(&self) -> bool {
         self.lost.load(Ordering::SeqCst)
+    }
+
+    /// Makes every expert upload after the next `n` fail as a failed copy to the device would,
+    /// for fault-injection tests (`u64::MAX` turns faults off again).
+    #[doc(hidden)]
+    pub fn fail_expert_uploads_after(&self, n: u64) {
+        self.expert_uploads_before_fault.store(n, Ordering::SeqCst);
+    }
+
+    /// Counts one expert upload into a cache slot: an error once an injected fault is due.
+    pub(crate) fn count_expert_upload(&self) -> Result<()> {
+        let left = &self.expert_uploads_before_fault;
+        let counted = left.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| match n {
+            0 | u64::MAX => None,
+            n => Some(n - 1),
+        });
+        match counted {
+            Err(0) => Err(Error::Gpu(
+                "copying an expert into VRAM failed (injected fault)".into(),
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// Waits for all submitted work.

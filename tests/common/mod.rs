@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod http;
+
 use std::path::{Path, PathBuf};
 
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};

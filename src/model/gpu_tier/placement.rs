@@ -416,6 +416,7 @@ impl GpuModel<'_> {
         let pool = self.weights.pool.as_ref().expect("a VRAM cache");
         let layer = &self.model.weights.layers[l];
         let queue = &self.weights.ctx.queue;
+        self.weights.ctx.count_expert_upload()?;
         pool.gate_up.write_slot(queue, slot, &expert.gate_up)?;
         pool.down.write_slot(queue, slot, &expert.down)?;
         let gate_up_bias = &layer.gate_up_bias[e * 2 * i..(e + 1) * 2 * i];
