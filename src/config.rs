@@ -471,9 +471,14 @@ fn resolve_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<Rope, S
                 Some(Value::Bool(b)) => *b,
                 Some(v) => return Err(format!("rope parameter truncate is not a bool: {v}")),
             };
-            if !(beta_fast.is_finite() && beta_slow.is_finite()) {
+            // transformers takes their logarithm (math.log raises below zero).
+            if !(beta_fast.is_finite()
+                && beta_slow.is_finite()
+                && beta_fast > 0.0
+                && beta_slow > 0.0)
+            {
                 return Err(format!(
-                    "rope beta_fast ({beta_fast}) and beta_slow ({beta_slow}) must be finite"
+                    "rope beta_fast ({beta_fast}) and beta_slow ({beta_slow}) must be positive numbers"
                 ));
             }
             let dim = head_dim as f64;

@@ -522,6 +522,11 @@ fn invalid_rope_stop_token_and_position_values_are_named() {
             "rope factor (-5) must be a positive number",
         ),
         (
+            "\"beta_fast\": 32.0",
+            "\"beta_fast\": -1",
+            "rope beta_fast (-1) and beta_slow (1) must be positive numbers",
+        ),
+        (
             "\"eos_token_id\": 2",
             "\"eos_token_id\": 256",
             "eos_token_id 256 is beyond the vocabulary (vocab_size 256)",

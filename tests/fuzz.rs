@@ -3,9 +3,9 @@
 //! index, the Harmony parser and the stdio line protocol. Each must end in Ok or an error,
 //! never a panic, an endless loop or an abort.
 //!
-//! Cases per target: `PICCHIO_FUZZ_CASES` (default 48; `.ci/run` runs more). proptest keeps a
-//! failing input's seed in `proptest-regressions/fuzz.txt` and replays it first on every run:
-//! commit that file with the fix.
+//! Cases per target: `PICCHIO_FUZZ_CASES` (default 48; `.ci/run` runs 4,000). proptest keeps a
+//! failing input's seed in `tests/fuzz.regressions` and replays it first on every run: commit
+//! that file with the fix.
 
 mod common;
 

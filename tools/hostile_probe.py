@@ -43,14 +43,17 @@ def run(args, timeout=60, env=None, stdin=None):
 
 def fixture_copy(name="tiny-single"):
     dest = tempfile.mkdtemp(dir=WORK)
+    # The checkpoint's files only: not what runs may have left beside it.
     for entry in os.listdir(os.path.join(ROOT, "fixtures", name)):
+        if entry.startswith("."):
+            continue
         shutil.copy(os.path.join(ROOT, "fixtures", name, entry), dest)
     return dest
 
 
-def generate(model, extra=(), timeout=60):
-    return run(["generate", "--model", model, "--ids", "1,2,3", "--max-new-tokens", "4",
-                "--backend", "cpu"] + list(extra), timeout=timeout)
+def generate(model, extra=(), timeout=60, new_tokens=4):
+    return run(["generate", "--model", model, "--ids", "1,2,3", "--max-new-tokens",
+                str(new_tokens), "--backend", "cpu"] + list(extra), timeout=timeout)
 
 
 def failed_naming(result, *words):
@@ -78,7 +81,7 @@ def flipped_byte_in_experts_bin():
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0x40]))
-    return failed_naming(generate(store, ["--max-new-tokens", "16"]), "experts.bin")
+    return failed_naming(generate(store, new_tokens=16), "experts.bin")
 
 
 def poison(tensor, value):
@@ -101,7 +104,7 @@ for _tensor, _value in [("lm_head.weight", "nan"), ("model.embed_tokens.weight",
                         ("model.layers.0.self_attn.q_proj.weight", "nan"),
                         ("model.layers.0.mlp.router.weight", "nan"), ("lm_head.weight", "inf")]:
     def _poisoned(tensor=_tensor, value=_value):
-        return failed_naming(generate(poison(tensor, value)), "non-finite")
+        return failed_naming(generate(poison(tensor, value)), "not finite")
     _poisoned.__name__ = f"{_value}_in_{_tensor}"
     case("silent garbage")(_poisoned)
 
@@ -474,14 +477,23 @@ def interrupted_generate_json_is_valid():
 
 @case("files and cli")
 def killed_convert_can_be_retried():
-    out = os.path.join(tempfile.mkdtemp(dir=WORK), "store")
-    source = os.path.join(ROOT, "fixtures", "tiny-long")
+    source = os.path.join(tempfile.mkdtemp(dir=WORK), "tiny-harmony")
+    run(["synth", "--shape", "tiny-harmony", "--out", source])
     env = dict(os.environ, PICCHIO_CACHE_DIR=os.path.join(WORK, "cache"))
-    p = subprocess.Popen([PICCHIO, "convert", "--model", source, "--out", out],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    time.sleep(0.05)
-    p.kill()
-    p.wait()
+    # The conversion takes a few tens of milliseconds: kill it once its output appears, and
+    # try again when it finished first.
+    for _ in range(20):
+        parent = tempfile.mkdtemp(dir=WORK)
+        out = os.path.join(parent, "store")
+        p = subprocess.Popen([PICCHIO, "convert", "--model", source, "--out", out],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        while p.poll() is None and len(os.listdir(parent)) == 0:
+            pass
+        p.kill()
+        if p.wait() == -signal.SIGKILL:
+            break
+    else:
+        return False
     retry = run(["convert", "--model", source, "--out", out])
     return retry.returncode == 0 and generate(out).returncode == 0
 
