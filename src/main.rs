@@ -888,6 +888,15 @@ fn run(cli: Cli) -> Result<()> {
                      --header-timeout and --body-timeout must be at least 1"
                 );
             }
+            // Larger values are no limit at all, and overflow the timers and queues below.
+            const MOST_WAITING: usize = 1 << 20;
+            const MOST_SECONDS: u64 = 24 * 3600;
+            if queue_limit > MOST_WAITING || max_connections > MOST_WAITING {
+                bail!("--queue-limit and --max-connections must be at most {MOST_WAITING}");
+            }
+            if header_timeout > MOST_SECONDS || body_timeout > MOST_SECONDS {
+                bail!("--header-timeout and --body-timeout must be at most {MOST_SECONDS} (a day)");
+            }
             let api_key = api_key
                 .or_else(|| std::env::var("PICCHIO_API_KEY").ok())
                 .filter(|key| !key.is_empty());

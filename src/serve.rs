@@ -149,6 +149,7 @@ fn worker(
     for job in jobs.iter() {
         let replies = job.replies.clone();
         let started = std::time::Instant::now();
+        job.tally.set_prompt(job.ids.len());
         let reused = match session.feed(&job.ids) {
             Ok(reused) => reused,
             Err(e) => {
@@ -158,6 +159,7 @@ fn worker(
         };
         let mut sampler = Sampler::new(job.sampling);
         let result = session.generate(job.max_tokens, &mut sampler, &job.stops, |token| {
+            job.tally.add_completion_token();
             // A closed channel: the client went away, stop here.
             replies.send(Reply::Token(token)).is_ok()
         });
@@ -165,7 +167,6 @@ fn worker(
         let _ = replies.send(match result {
             Ok((tokens, finish)) => {
                 metrics.count_request(job.ids.len(), reused, tokens.len(), micros);
-                job.tally.record(job.ids.len(), tokens.len());
                 Reply::Done {
                     prompt_tokens: job.ids.len(),
                     reused,

@@ -1,7 +1,7 @@
 //! Fuzz targets (proptest): mutated inputs for every parser that reads what a file or a client
 //! hands picchio: the safetensors header and tensor table, config.json, a converted store's
 //! index, the Harmony parser and the stdio line protocol. Each must end in Ok or an error,
-//! never a panic, an endless loop or an abort.
+//! never a panic or an abort (a hang shows as a run that does not finish).
 //!
 //! Cases per target: `PICCHIO_FUZZ_CASES` (default 48; `.ci/run` runs 4,000). proptest keeps a
 //! failing input's seed in `tests/fuzz.regressions` and replays it first on every run: commit

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::http::{Server, request, request_with, server};
+use common::http::{Server, request, server, try_request_with};
 use serde_json::{Value, json};
 
 const PROMPTS: [&str; 4] = [
@@ -158,12 +158,15 @@ fn good_client(soak: &Soak, kind: Good, offset: usize) {
     let mut i = offset;
     while soak.running() {
         let prompt = i % PROMPTS.len();
-        let (status, body) = request(
-            soak.port,
-            "POST",
-            kind.path(),
-            Some(&kind.body(PROMPTS[prompt])),
-        );
+        let sent = Some(kind.body(PROMPTS[prompt]));
+        let (status, body) =
+            match try_request_with(soak.port, "POST", kind.path(), "", sent.as_deref()) {
+                Ok(reply) => reply,
+                Err(e) => {
+                    soak.fail(e);
+                    continue;
+                }
+            };
         i += 1;
         if status == 503 {
             std::thread::sleep(Duration::from_millis(100));
@@ -185,13 +188,19 @@ fn hang_up_client(soak: &Soak) {
     let body = json!({"max_tokens": 200, "stream": true,
         "messages": [{"role": "user", "content": "Talk for a long time"}]})
     .to_string();
+    let raw = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
     while soak.running() {
-        let mut stream = TcpStream::connect(("127.0.0.1", soak.port)).unwrap();
-        write!(stream, "POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).unwrap();
-        let mut first = [0u8; 256];
-        let _ = stream.read(&mut first);
-        drop(stream);
-        soak.count("hung up");
+        let hung_up = connect(soak.port).and_then(|mut stream| {
+            stream.write_all(raw.as_bytes())?;
+            stream.read(&mut [0u8; 256])
+        });
+        match hung_up {
+            Ok(_) => soak.count("hung up"),
+            Err(e) => soak.fail(format!("a client about to hang up: {e}")),
+        }
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -219,7 +228,10 @@ fn bad_client(soak: &Soak) {
     let mut i = 0;
     while soak.running() {
         let (path, headers, body, want) = cases[i % cases.len()];
-        let (status, text) = request_with(soak.port, "POST", path, headers, Some(body));
+        let (status, text) = match try_request_with(soak.port, "POST", path, headers, Some(body)) {
+            Ok(reply) => reply,
+            Err(e) => (0, e),
+        };
         if status != want {
             let text: String = text.chars().take(200).collect();
             soak.fail(format!(
@@ -240,35 +252,45 @@ fn slow_client(soak: &Soak, header_timeout: Duration) {
         body.len()
     );
     while soak.running() {
-        let mut stream = TcpStream::connect(("127.0.0.1", soak.port)).unwrap();
-        for piece in raw.as_bytes().chunks(raw.len().div_ceil(8)) {
-            stream.write_all(piece).unwrap();
-            std::thread::sleep(Duration::from_millis(125));
-        }
-        let mut reply = String::new();
-        let _ = stream.read_to_string(&mut reply);
-        let answer = reply
-            .split_once("\r\n\r\n")
-            .map(|(_, body)| Good::Completion.answer(body));
+        let slow = connect(soak.port).and_then(|mut stream| {
+            for piece in raw.as_bytes().chunks(raw.len().div_ceil(8)) {
+                stream.write_all(piece)?;
+                std::thread::sleep(Duration::from_millis(125));
+            }
+            let mut reply = String::new();
+            stream.read_to_string(&mut reply).map(|_| reply)
+        });
+        let answer = slow.as_ref().map(|reply| {
+            let body = reply.split_once("\r\n\r\n").map_or("", |(_, body)| body);
+            Good::Completion.answer(body)
+        });
         match answer {
-            Some(Ok(text)) if text == soak.expected[&(Good::Completion, 0)] => soak.count("slow"),
-            other => soak.fail(format!("slow sender: {other:?} ({reply})")),
+            Ok(Ok(text)) if text == soak.expected[&(Good::Completion, 0)] => soak.count("slow"),
+            other => soak.fail(format!("slow sender: {other:?} ({slow:?})")),
         }
-        let mut stalled = TcpStream::connect(("127.0.0.1", soak.port)).unwrap();
-        stalled
-            .write_all(b"GET /health HTTP/1.1\r\nHost: loc")
-            .unwrap();
-        stalled.set_read_timeout(Some(header_timeout * 2)).unwrap();
-        let started = Instant::now();
-        let closed = matches!(stalled.read(&mut [0u8; 64]), Ok(0));
-        if !closed || started.elapsed() >= header_timeout * 2 {
-            soak.fail(format!(
-                "a stalled head was not closed within {:?}",
+        let stalled = connect(soak.port).and_then(|mut stalled| {
+            stalled.write_all(b"GET /health HTTP/1.1\r\nHost: loc")?;
+            stalled.set_read_timeout(Some(header_timeout * 2))?;
+            let started = Instant::now();
+            let closed = stalled.read(&mut [0u8; 64])? == 0;
+            Ok(closed && started.elapsed() < header_timeout * 2)
+        });
+        match stalled {
+            Ok(true) => soak.count("stalled"),
+            other => soak.fail(format!(
+                "a stalled head was not closed within {:?}: {other:?}",
                 header_timeout * 2
-            ));
+            )),
         }
-        soak.count("stalled");
     }
+}
+
+/// A connection to the server that fails rather than hangs when the server stops answering.
+fn connect(port: u16) -> std::io::Result<TcpStream> {
+    let stream = TcpStream::connect(("127.0.0.1", port))?;
+    stream.set_read_timeout(Some(Duration::from_secs(120)))?;
+    stream.set_write_timeout(Some(Duration::from_secs(120)))?;
+    Ok(stream)
 }
 
 /// The server's resident memory (Linux), in bytes.

@@ -34,9 +34,14 @@ impl Tally {
         TALLY.try_with(Arc::clone).unwrap_or_default()
     }
 
-    pub(super) fn record(&self, prompt: usize, completion: usize) {
-        self.prompt.store(prompt, Ordering::Relaxed);
-        self.completion.store(completion, Ordering::Relaxed);
+    pub(super) fn set_prompt(&self, tokens: usize) {
+        self.prompt.store(tokens, Ordering::Relaxed);
+    }
+
+    /// One more token generated (counted as it is made, so a request that ends early, a client
+    /// hanging up or a failure, still logs what it used).
+    pub(super) fn add_completion_token(&self) {
+        self.completion.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -133,42 +138,48 @@ fn host_name(value: &str) -> String {
     name.trim_end_matches('.').to_string()
 }
 
-/// Whether a request naming `host` may be served: any host when the server is bound beyond
-/// loopback and no list was given, or when the list holds "*"; otherwise loopback names and
-/// the listed ones.
-pub(super) fn host_allowed(host: &str, bound_to_loopback: bool, allowed: &[String]) -> bool {
-    if allowed.iter().any(|name| name == "*") || (!bound_to_loopback && allowed.is_empty()) {
-        return true;
-    }
+/// Whether Host names are checked: bound to loopback unless the list holds "*", or bound
+/// elsewhere with a list given.
+pub(super) fn host_check_applies(bound_to_loopback: bool, allowed: &[String]) -> bool {
+    !allowed.iter().any(|name| name == "*") && (bound_to_loopback || !allowed.is_empty())
+}
+
+/// Whether a checked request naming `host` is served: loopback names and the listed ones.
+pub(super) fn host_allowed(host: &str, allowed: &[String]) -> bool {
     let name = host_name(host);
     is_loopback_name(&name) || allowed.iter().any(|allowed| host_name(allowed) == name)
 }
 
-/// Refuses a request whose Host header is not allowed (DNS-rebinding protection).
+/// Refuses a request whose Host header is not allowed (DNS-rebinding protection), or that has
+/// none where names are checked.
 pub(super) async fn check_host(
     State(shared): State<Arc<Shared>>,
     request: Request,
     next: Next,
 ) -> Response {
+    let allowed = &shared.limits.allowed_hosts;
+    if !host_check_applies(shared.bound_to_loopback, allowed) {
+        return next.run(request).await;
+    }
     let host = (request.headers().get(header::HOST))
-        .and_then(|value| value.to_str().ok())
-        .or_else(|| request.uri().host());
+        .map(|value| value.to_str().ok())
+        .unwrap_or_else(|| request.uri().host());
     match host {
-        Some(host)
-            if !host_allowed(host, shared.bound_to_loopback, &shared.limits.allowed_hosts) =>
-        {
+        Some(host) if host_allowed(host, allowed) => next.run(request).await,
+        Some(host) => {
             let shown = crate::chat::lines::excerpt(host);
-            error(
-                StatusCode::FORBIDDEN,
-                format!(
-                    "Host {shown:?} is not allowed; start the server with --allowed-host \
-                     {name} to accept it",
-                    name = host_name(host)
-                ),
-                "host_not_allowed",
-            )
+            let message = format!(
+                "Host {shown:?} is not allowed; start the server with --allowed-host {name} to \
+                 accept it",
+                name = crate::chat::lines::excerpt(&host_name(host))
+            );
+            closing(StatusCode::FORBIDDEN, message, "host_not_allowed")
         }
-        _ => next.run(request).await,
+        None => closing(
+            StatusCode::BAD_REQUEST,
+            "a Host header naming this server (in ASCII) is needed".into(),
+            "host_not_allowed",
+        ),
     }
 }
 
@@ -184,12 +195,13 @@ pub(super) async fn authorize(
     let given = (request.headers().get(header::AUTHORIZATION))
         .and_then(|value| value.to_str().ok())
         .and_then(|value| value.strip_prefix("Bearer "));
-    if request.uri().path() == "/health" || given == Some(key.as_str()) {
+    let matches = given.is_some_and(|given| same_secret(given.as_bytes(), key.as_bytes()));
+    if request.uri().path() == "/health" || matches {
         return next.run(request).await;
     }
-    let mut response = error(
+    let mut response = closing(
         StatusCode::UNAUTHORIZED,
-        "a valid API key is needed (Authorization: Bearer <key>)",
+        "a valid API key is needed (Authorization: Bearer <key>)".into(),
         "invalid_api_key",
     );
     let challenge = HeaderValue::from_static("Bearer");
@@ -197,7 +209,19 @@ pub(super) async fn authorize(
     response
 }
 
-/// A response that also closes the connection (its request's body was not read whole).
+/// Whether `given` equals `key`, in a time that does not depend on where they differ (a
+/// client timing the answers learns nothing of the key but its length).
+fn same_secret(given: &[u8], key: &[u8]) -> bool {
+    given.len() == key.len()
+        && given
+            .iter()
+            .zip(key)
+            .fold(0u8, |diff, (g, k)| diff | (g ^ k))
+            == 0
+}
+
+/// A response that also closes the connection (its request's body was not read whole, or is
+/// not wanted).
 fn closing(status: StatusCode, message: String, code: &str) -> Response {
     let mut response = error(status, message, code);
     let close = HeaderValue::from_static("close");
@@ -252,14 +276,17 @@ pub(super) async fn limit_body(
         let message = format!("the request body is larger than the server's {limit} bytes");
         closing(StatusCode::PAYLOAD_TOO_LARGE, message, "request_too_large")
     };
+    // A chunked body's length is what arrives, whatever Content-Length says.
+    let chunked = request.headers().contains_key(header::TRANSFER_ENCODING);
     let declared = (request.headers().get(header::CONTENT_LENGTH))
+        .filter(|_| !chunked)
         .and_then(|value| value.to_str().ok())
-        .and_then(|value| value.parse::<u64>().ok());
+        .and_then(|value| value.parse::<usize>().ok());
     let (parts, body) = request.into_parts();
-    if let Some(declared) = declared.filter(|&length| length > limit as u64) {
+    if let Some(declared) = declared.filter(|&length| length > limit) {
         let expects_continue = parts.headers.contains_key(header::EXPECT);
-        if !expects_continue && declared <= limit.saturating_mul(DRAIN_FACTOR) as u64 {
-            let _ = read_body(body, usize::MAX, timeout, false).await;
+        if !expects_continue && declared <= limit.saturating_mul(DRAIN_FACTOR) {
+            let _ = read_body(body, declared, timeout, false).await;
         }
         return too_large();
     }
@@ -299,15 +326,24 @@ mod tests {
             "LocalHost.",
             "a.localhost",
         ] {
-            assert!(host_allowed(host, true, none), "{host}");
+            assert!(host_allowed(host, none), "{host}");
         }
         for host in ["evil.example:8080", "127.0.0.1.evil.example", "[::2]"] {
-            assert!(!host_allowed(host, true, none), "{host}");
+            assert!(!host_allowed(host, none), "{host}");
         }
         let listed = ["Box.lan".to_string()];
-        assert!(host_allowed("box.lan:8080", true, &listed));
-        assert!(!host_allowed("evil.example", false, &listed));
-        assert!(host_allowed("evil.example", false, none));
-        assert!(host_allowed("evil.example", true, &["*".to_string()]));
+        assert!(host_allowed("box.lan:8080", &listed));
+        assert!(!host_allowed("evil.example", &listed));
+        assert!(host_check_applies(true, none) && host_check_applies(false, &listed));
+        assert!(!host_check_applies(false, none));
+        assert!(!host_check_applies(true, &["*".to_string()]));
+    }
+
+    #[test]
+    fn secrets_compare_whole() {
+        assert!(same_secret(b"s3cret", b"s3cret"));
+        for given in [&b"s3cres"[..], b"s3cre", b"s3crett", b""] {
+            assert!(!same_secret(given, b"s3cret"));
+        }
     }
 }

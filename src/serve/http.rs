@@ -11,7 +11,7 @@ use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::metrics::Metrics;
 
@@ -37,7 +37,10 @@ pub(super) async fn run(
     builder
         .timer(TokioTimer::new())
         .header_read_timeout(limits.head_timeout);
-    let open = Arc::new(Semaphore::new(limits.max_open));
+    let max_open = limits.max_open;
+    let open = Arc::new(Semaphore::new(max_open));
+    // Refusals are bounded too: past this many being answered, a connection is just closed.
+    let refusing = Arc::new(Semaphore::new(max_open));
     let graceful = GracefulShutdown::new();
     tokio::pin!(stop);
     loop {
@@ -55,23 +58,28 @@ pub(super) async fn run(
         };
         let Ok(permit) = open.clone().try_acquire_owned() else {
             metrics.count_refused_connection();
-            tokio::spawn(refuse(stream, limits.max_open));
+            if let Ok(refusal) = refusing.clone().try_acquire_owned() {
+                tokio::spawn(async move {
+                    refuse(stream, max_open).await;
+                    drop(refusal);
+                });
+            }
             continue;
         };
         let _ = stream.set_nodelay(true);
         let service = TowerToHyperService::new(app.clone());
         let connection = builder.serve_connection(TokioIo::new(stream), service);
         let connection = graceful.watch(connection);
-        let metrics = metrics.clone();
-        metrics.count_connection(1);
+        let open = OpenConnection::new(permit, metrics.clone());
         tokio::spawn(async move {
             if let Err(e) = connection.await {
                 log::debug!("connection closed: {e}");
             }
-            metrics.count_connection(-1);
-            drop(permit);
+            drop(open);
         });
     }
+    // New clients get a refused connection rather than a wait in the backlog.
+    drop(listener);
     log::info!(
         "stopping: no new connections; requests in flight get {} s to finish",
         SHUTDOWN_GRACE.as_secs()
@@ -81,6 +89,29 @@ pub(super) async fn run(
         () = tokio::time::sleep(SHUTDOWN_GRACE) => {
             log::warn!("requests still running after the grace period: ending them");
         }
+    }
+}
+
+/// One open connection: its place under the cap and in the gauge, given back when dropped
+/// (however its task ends).
+struct OpenConnection {
+    _permit: OwnedSemaphorePermit,
+    metrics: Arc<Metrics>,
+}
+
+impl OpenConnection {
+    fn new(permit: OwnedSemaphorePermit, metrics: Arc<Metrics>) -> OpenConnection {
+        metrics.count_connection(1);
+        OpenConnection {
+            _permit: permit,
+            metrics,
+        }
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.metrics.count_connection(-1);
     }
 }
 

@@ -75,37 +75,54 @@ pub fn request_with(
     headers: &str,
     body: Option<&str>,
 ) -> (u16, String) {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    try_request_with(port, method, path, headers, body).unwrap()
+}
+
+/// `request_with`, any failure to send, receive or parse returned as its description.
+pub fn try_request_with(
+    port: u16,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: Option<&str>,
+) -> Result<(u16, String), String> {
+    let io = |e: std::io::Error| format!("{method} {path}: {e}");
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).map_err(io)?;
+    // A server that stops answering fails the test instead of hanging it.
+    let patience = Some(std::time::Duration::from_secs(120));
+    stream.set_read_timeout(patience).map_err(io)?;
+    stream.set_write_timeout(patience).map_err(io)?;
     let body = body.unwrap_or("");
     write!(
         stream,
         "{method} {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{headers}Connection: close\r\n\r\n{body}",
         body.len()
     )
-    .unwrap();
+    .map_err(io)?;
     let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).unwrap();
-    let raw = String::from_utf8(raw).unwrap();
-    let (head, rest) = raw.split_once("\r\n\r\n").unwrap();
-    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    stream.read_to_end(&mut raw).map_err(io)?;
+    let raw = String::from_utf8(raw).map_err(|e| format!("{method} {path}: {e}"))?;
+    parse_response(&raw).ok_or_else(|| format!("{method} {path}: not an HTTP response: {raw:?}"))
+}
+
+/// The status and (de-chunked) body of a raw HTTP/1.1 response.
+fn parse_response(raw: &str) -> Option<(u16, String)> {
+    let (head, rest) = raw.split_once("\r\n\r\n")?;
+    let status = head.split_whitespace().nth(1)?.parse().ok()?;
     let chunked = head
         .to_ascii_lowercase()
         .contains("transfer-encoding: chunked");
-    let body = if chunked {
-        let mut out = String::new();
-        let mut rest = rest;
-        loop {
-            let (size, after) = rest.split_once("\r\n").unwrap();
-            let size = usize::from_str_radix(size.trim(), 16).unwrap();
-            if size == 0 {
-                break;
-            }
-            out.push_str(&after[..size]);
-            rest = &after[size + 2..];
+    if !chunked {
+        return Some((status, rest.to_string()));
+    }
+    let (mut out, mut rest) = (String::new(), rest);
+    loop {
+        let (size, after) = rest.split_once("\r\n")?;
+        let size = usize::from_str_radix(size.trim(), 16).ok()?;
+        if size == 0 {
+            return Some((status, out));
         }
-        out
-    } else {
-        rest.to_string()
-    };
-    (status, body)
+        out.push_str(after.get(..size)?);
+        rest = after.get(size + 2..)?;
+    }
 }
