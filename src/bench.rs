@@ -9,7 +9,7 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 use crate::experts::{ExpertStats, RamBudget, VramBudget};
 use crate::model::generate::{BackendChoice, GenerateOptions, Runtime, Session, generate_observed};
-use crate::model::gpu_tier::{GpuTierOptions, MissPolicy, vram_bytes_per_expert};
+use crate::model::gpu_tier::{GpuCounters, GpuTierOptions, MissPolicy, vram_bytes_per_expert};
 use crate::model::{Model, ModelOptions};
 
 #[derive(Debug, Clone)]
@@ -110,8 +110,18 @@ pub struct BenchRun {
     /// Size of the buffer that measurement read: eight times the last-level cache, at least 2
     /// GiB (`cpu::machine::bandwidth_buffer_bytes`).
     pub bandwidth_buffer_bytes: Option<u64>,
-    /// achieved / measured bandwidth (roofline runs only).
+    /// achieved / measured bandwidth (roofline runs only). On the GPU tier, against the
+    /// adapter's own read bandwidth, and only where every expert the decode used was in VRAM
+    /// (else part of the token ran on the CPU tier and no one limit applies).
     pub roofline_fraction: Option<f64>,
+    /// What `bandwidth_bytes_per_s` measured: "host" (the CPU tier's memory) or "gpu" (the
+    /// adapter's memory, read by a kernel).
+    pub bandwidth_of: Option<String>,
+    /// Per decoded token on the GPU tier: compute dispatches, submissions and blocking
+    /// readbacks (null on the CPU tier).
+    pub gpu_dispatches_per_token: Option<f64>,
+    pub gpu_submits_per_token: Option<f64>,
+    pub gpu_readbacks_per_token: Option<f64>,
     /// Prefill speed of a 512-token prompt (roofline runs only).
     pub prefill_512_tokens_per_s: Option<f64>,
     /// Where a decoded token's time went on the CPU tier, ms: attention (projections included),
@@ -313,6 +323,12 @@ pub fn run_bench(
         })
     };
     let bandwidth = options.roofline.then(measure_bandwidth);
+    let gpu_roofline = options.roofline && options.backend != BackendChoice::Cpu;
+    let gpu_bandwidth = if gpu_roofline {
+        measure_gpu_bandwidth()
+    } else {
+        None
+    };
     let mut runs = Vec::new();
     for (done, &(vram_budget, budget, prefetch)) in configurations.iter().enumerate() {
         let peak_is_this_runs = reset_peak_rss();
@@ -356,6 +372,7 @@ pub fn run_bench(
             context,
         };
         let mut marks: Vec<ExpertStats> = Vec::new();
+        let mut gpu_marks: Vec<Option<GpuCounters>> = Vec::new();
         let mut times: Vec<(f64, f64, f64)> = vec![model.timings.millis()];
         let started = Instant::now();
         let out = generate_observed(
@@ -363,8 +380,9 @@ pub fn run_bench(
             &model.config,
             &ids,
             &generate_options,
-            &mut |_, _| {
+            &mut |session, _| {
                 marks.push(model.experts.stats());
+                gpu_marks.push(session.gpu_counters());
                 times.push(model.timings.millis());
             },
         )?;
@@ -422,8 +440,21 @@ pub fn run_bench(
             _ => None,
         };
         drop(session);
-        // The limit of the memory this run's weights live in.
-        let limit = bandwidth.map(|b| b[usize::from(model.weights_in_memory)].bytes_per_s);
+        // The limit of the memory this run's weights live in: the adapter's where every expert
+        // the decode used was in VRAM, none where the CPU tier ran some.
+        let all_in_vram = decode.vram_hits == decode.requests;
+        let (limit, bandwidth_of) = match (on_gpu, gpu_bandwidth) {
+            (true, Some(gpu)) if all_in_vram => (Some(gpu.bytes_per_s), Some("gpu")),
+            (true, _) => (None, None),
+            (false, _) => (
+                bandwidth.map(|b| b[usize::from(model.weights_in_memory)].bytes_per_s),
+                bandwidth.map(|_| "host"),
+            ),
+        };
+        let gpu_per_token = |of: fn(&GpuCounters) -> u64| match gpu_marks.as_slice() {
+            [Some(prefill), Some(end)] => Some((of(end) - of(prefill)) as f64 / decoded),
+            _ => None,
+        };
         let prefill_512_tokens_per_s = if options.roofline {
             Some(long_prefill_tokens_per_s(
                 &runtime,
@@ -471,9 +502,17 @@ pub fn run_bench(
             bytes_per_token,
             achieved_bytes_per_s,
             bandwidth_bytes_per_s: limit,
-            bandwidth_huge_pages: bandwidth.map(|_| model.weights_in_memory),
-            bandwidth_buffer_bytes: bandwidth.map(|b| b[0].buffer_bytes as u64),
+            bandwidth_huge_pages: (bandwidth_of == Some("host")).then_some(model.weights_in_memory),
+            bandwidth_buffer_bytes: match bandwidth_of {
+                Some("gpu") => gpu_bandwidth.map(|g| g.buffer_bytes),
+                Some(_) => bandwidth.map(|b| b[0].buffer_bytes as u64),
+                None => None,
+            },
             roofline_fraction: limit.map(|b| achieved_bytes_per_s / b),
+            bandwidth_of: bandwidth_of.map(str::to_string),
+            gpu_dispatches_per_token: gpu_per_token(|c| c.dispatches),
+            gpu_submits_per_token: gpu_per_token(|c| c.submits),
+            gpu_readbacks_per_token: gpu_per_token(|c| c.readbacks),
             prefill_512_tokens_per_s,
             decode_attention_ms_per_token: split.0,
             decode_experts_ms_per_token: split.1,
@@ -485,6 +524,19 @@ pub fn run_bench(
             interleaved_roofline_fraction: interleaved.as_ref().map(|i| i.roofline_fraction),
         });
         progress(done + 1, configurations.len());
+    }
+    if let Some(before) = gpu_bandwidth {
+        // As for the host below: the better of two measurements.
+        let best = measure_gpu_bandwidth().map_or(before.bytes_per_s, |after| {
+            after.bytes_per_s.max(before.bytes_per_s)
+        });
+        for run in runs
+            .iter_mut()
+            .filter(|r| r.bandwidth_of.as_deref() == Some("gpu"))
+        {
+            run.bandwidth_bytes_per_s = Some(best);
+            run.roofline_fraction = Some(run.achieved_bytes_per_s / best);
+        }
     }
     if let Some(before) = bandwidth {
         // Measured again after the runs: on a shared machine a busy neighbour can take a large
@@ -503,6 +555,29 @@ pub fn run_bench(
         }
     }
     Ok(runs)
+}
+
+/// The GPU's read bandwidth, measured on a device of its own (dropped before the model loads);
+/// None, with the reason in the log, where there is no usable adapter.
+fn measure_gpu_bandwidth() -> Option<crate::gpu::bandwidth::GpuBandwidth> {
+    let measured = crate::gpu::GpuContext::new(&crate::gpu::GpuOptions::from_env())
+        .and_then(|ctx| crate::gpu::bandwidth::measure(&ctx));
+    match measured {
+        Ok(b) => {
+            log::info!(
+                "GPU read bandwidth: {:.2} GB/s ({} MiB read {} times per submission, best of {})",
+                b.bytes_per_s / 1e9,
+                b.buffer_bytes >> 20,
+                crate::gpu::bandwidth::PASSES,
+                crate::gpu::bandwidth::ROUNDS
+            );
+            Some(b)
+        }
+        Err(e) => {
+            log::warn!("GPU read bandwidth not measured: {e}");
+            None
+        }
+    }
 }
 
 /// Prefill speed of a `LONG_PROMPT_TOKENS` prompt (ids drawn from `seed`) on a fresh session of

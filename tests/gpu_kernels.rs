@@ -41,6 +41,7 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
         ],
     ),
     ("moe.wgsl", &[&["ROUTE"], &["SWIGLU"], &["COMBINE"]]),
+    ("bandwidth.wgsl", &[&[]]),
     (
         "elementwise.wgsl",
         &[
@@ -713,4 +714,28 @@ fn unquantized_experts_match_cpu() {
             );
         }
     }
+}
+
+/// The bandwidth probe's read (what `picchio bench --backend gpu --roofline` times) reads every
+/// word: its per-lane folds equal the host's, including a buffer that is not a whole number of
+/// grid-wide passes.
+#[test]
+fn bandwidth_probe_reads_every_word() {
+    use picchio::gpu::bandwidth::{fold_on_host, prepare_read};
+    let Some(ctx) = gpu(None) else {
+        return;
+    };
+    let words: Vec<u32> = bytes((1 << 20) + 48, 7)
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+        .collect();
+    let data = ctx.upload("probe data", bytemuck::cast_slice(&words));
+    let want = fold_on_host(&words);
+    let folded = ctx.zeroed("folds", (want.len() * 4) as u64).unwrap();
+    let read = prepare_read(&ctx, &data, (words.len() * 4) as u64, &folded).unwrap();
+    ctx.run(&[&read]).unwrap();
+    let got: Vec<u32> =
+        bytemuck::pod_collect_to_vec(&ctx.read_back(&folded, (want.len() * 4) as u64).unwrap());
+    let wrong = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+    assert_eq!(wrong, 0, "{wrong} of {} lanes differ", want.len());
 }

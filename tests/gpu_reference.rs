@@ -67,9 +67,17 @@ fn gpu_greedy_tokens_and_logits_match_transformers() {
             decoded,
             "readbacks"
         );
+        // Every decoded token records the same resident plan.
+        let dispatches = marks[1].dispatches - marks[0].dispatches;
+        assert!(
+            dispatches > 0 && dispatches % decoded == 0,
+            "{dispatches} dispatches for {decoded} tokens"
+        );
         eprintln!(
-            "{}: GPU max |logit error| vs transformers {worst:e}",
-            dir.display()
+            "{}: GPU max |logit error| vs transformers {worst:e}; {} dispatches and {} copies per decoded token",
+            dir.display(),
+            dispatches / decoded,
+            (marks[1].copies - marks[0].copies) as f64 / decoded as f64
         );
     }
 }

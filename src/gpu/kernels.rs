@@ -37,7 +37,7 @@ impl Dispatch {
     }
 }
 
-fn u32_of(n: usize, what: &str) -> Result<u32> {
+pub(crate) fn u32_of(n: usize, what: &str) -> Result<u32> {
     u32::try_from(n).map_err(|_| Error::Gpu(format!("{what} ({n}) does not fit a GPU index")))
 }
 

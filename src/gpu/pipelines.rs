@@ -20,6 +20,10 @@ pub const SHADERS: &[(&str, &str)] = &[
         "elementwise.wgsl",
         include_str!("../../shaders/elementwise.wgsl"),
     ),
+    (
+        "bandwidth.wgsl",
+        include_str!("../../shaders/bandwidth.wgsl"),
+    ),
 ];
 
 /// Compile-time variant switches: `#if NAME` / `#else` / `#endif` blocks and `{{NAME}}` tokens.

@@ -131,6 +131,10 @@ pub struct GpuLoad {
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct GpuCounters {
     pub submits: u64,
+    /// Compute dispatches recorded (cache-slot chunks only where a slot of theirs was used).
+    pub dispatches: u64,
+    /// Buffer-to-buffer copies recorded.
+    pub copies: u64,
     pub readbacks: u64,
     /// Microseconds the host spent computing the experts VRAM lacked (CPU tier), while the GPU
     /// ran the layer's other experts.
@@ -240,8 +244,14 @@ pub struct GpuModel<'m> {
 }
 
 /// Records plan steps into `encoder`: consecutive dispatches share one compute pass, copies go
-/// between passes; cache-slot chunks only when a slot of theirs is `used`.
-fn record(encoder: &mut wgpu::CommandEncoder, steps: &[PlanStep], used: &[bool]) {
+/// between passes; cache-slot chunks only when a slot of theirs is `used`. Counts what it
+/// recorded into `counters`.
+fn record(
+    encoder: &mut wgpu::CommandEncoder,
+    steps: &[PlanStep],
+    used: &[bool],
+    counters: &mut GpuCounters,
+) {
     let mut pass: Option<wgpu::ComputePass<'static>> = None;
     for step in steps {
         match step {
@@ -253,6 +263,7 @@ fn record(encoder: &mut wgpu::CommandEncoder, steps: &[PlanStep], used: &[bool])
                             .forget_lifetime()
                     });
                     dispatch.record(p);
+                    counters.dispatches += 1;
                 }
             }
             PlanStep::Dispatch(d) => {
@@ -262,6 +273,7 @@ fn record(encoder: &mut wgpu::CommandEncoder, steps: &[PlanStep], used: &[bool])
                         .forget_lifetime()
                 });
                 d.record(p);
+                counters.dispatches += 1;
             }
             PlanStep::Copy {
                 from,
@@ -272,6 +284,7 @@ fn record(encoder: &mut wgpu::CommandEncoder, steps: &[PlanStep], used: &[bool])
             } => {
                 pass = None;
                 encoder.copy_buffer_to_buffer(from, *from_offset, to, *to_offset, *bytes);
+                counters.copies += 1;
             }
             // Host actions: the plan is submitted up to them (where they have work).
             PlanStep::PlaceExperts { .. } | PlanStep::CpuExperts => {}
@@ -539,6 +552,7 @@ impl<'m> GpuModel<'m> {
             encoder.copy_buffer_to_buffer(&old.values, 0, &bigger.values, 0, bytes);
             self.weights.ctx.queue.submit([encoder.finish()]);
             self.counters.submits += 1;
+            self.counters.copies += 2;
             self.kv[l] = bigger;
             grown = true;
         }
@@ -886,13 +900,14 @@ impl<'m> GpuModel<'m> {
 
     /// Records `steps` into one encoder and submits it.
     fn submit(&mut self, steps: &[PlanStep]) -> Result<()> {
+        let counters = &mut self.counters;
         self.weights.ctx.guard(|| {
             let mut encoder = self
                 .weights
                 .ctx
                 .device
                 .create_command_encoder(&Default::default());
-            record(&mut encoder, steps, &self.used_slots);
+            record(&mut encoder, steps, &self.used_slots, counters);
             self.weights.ctx.queue.submit([encoder.finish()]);
             Ok(())
         })?;
@@ -931,7 +946,8 @@ impl<'m> GpuModel<'m> {
                 .ctx
                 .device
                 .create_command_encoder(&Default::default());
-            record(&mut encoder, std::slice::from_ref(step), &self.used_slots);
+            let (used, counters) = (&self.used_slots, &mut self.counters);
+            record(&mut encoder, std::slice::from_ref(step), used, counters);
             let label = match step {
                 PlanStep::Dispatch(d) | PlanStep::SlotChunk { dispatch: d, .. } => d.label.as_str(),
                 _ => "copy",
