@@ -173,6 +173,62 @@ struct PromptArgs {
     gpu: GpuArgs,
 }
 
+/// One kernel's share of a decoded token on the GPU (`generate --profile`).
+#[derive(serde::Serialize)]
+struct KernelRow {
+    kernel: String,
+    calls_per_token: f64,
+    ms_per_token: f64,
+    /// Of the device time every stamped kernel took.
+    share: f64,
+}
+
+/// The decode phase's per-kernel times from the profiles at the end of the prefill and of the
+/// run (the whole run's when nothing was decoded), busiest first; None without a GPU profile.
+fn decode_profile(
+    profiles: &[Option<picchio::gpu::profile::GpuProfile>],
+    decoded: usize,
+) -> Option<Vec<KernelRow>> {
+    let (profile, tokens) = match profiles {
+        [Some(prefill), Some(end)] if decoded > 0 => (end.since(prefill), decoded),
+        [.., Some(last)] => (last.clone(), 1),
+        _ => return None,
+    };
+    if profile.unstamped > 0 {
+        log::warn!("--profile: {} dispatches were not timed", profile.unstamped);
+    }
+    let total = profile.total_ns().max(f64::MIN_POSITIVE);
+    let mut rows: Vec<KernelRow> = (profile.kernels.iter())
+        .map(|(kernel, time)| KernelRow {
+            kernel: kernel.clone(),
+            calls_per_token: time.calls as f64 / tokens as f64,
+            ms_per_token: time.ns / 1e6 / tokens as f64,
+            share: time.ns / total,
+        })
+        .collect();
+    rows.sort_by(|a, b| b.ms_per_token.total_cmp(&a.ms_per_token));
+    Some(rows)
+}
+
+/// The profile as a table on stderr (stdout keeps the ids).
+fn print_profile(rows: &[KernelRow]) {
+    eprintln!(
+        "{:<34} {:>10} {:>12} {:>7}",
+        "kernel", "calls/tok", "ms/token", "share"
+    );
+    for row in rows {
+        eprintln!(
+            "{:<34} {:>10.1} {:>12.3} {:>6.1}%",
+            row.kernel,
+            row.calls_per_token,
+            row.ms_per_token,
+            100.0 * row.share
+        );
+    }
+    let total: f64 = rows.iter().map(|r| r.ms_per_token).sum();
+    eprintln!("{:<34} {:>10} {:>12.3}", "all kernels", "", total);
+}
+
 /// How the GPU tier holds the model: shared by every command that runs a session.
 #[derive(clap::Args)]
 struct GpuArgs {
@@ -315,6 +371,11 @@ enum Command {
         /// Keep generating after an end-of-sequence token.
         #[arg(long)]
         ignore_eos: bool,
+        /// Time every GPU kernel with timestamp queries: a per-kernel table of the decode phase
+        /// on stderr (and "profile" in the JSON). Each kernel then runs in a pass of its own, so
+        /// the run is slower; an error where the adapter has no timestamps.
+        #[arg(long)]
+        profile: bool,
     },
     /// Run the CPU and GPU tiers on the same input (greedy, end-of-sequence ignored) and compare
     /// tokens, logits and routing; exits non-zero on any disagreement.
@@ -606,6 +667,7 @@ fn run(cli: Cli) -> Result<()> {
             json,
             top_logits,
             ignore_eos,
+            profile,
         } => {
             let mut loaded = prompt.load_for(backend.into())?;
             // `--stats` reports every proxy's accuracy: they guess even without prefetch.
@@ -622,8 +684,16 @@ fn run(cli: Cli) -> Result<()> {
                 loaded.config.experts_per_token
             );
             validate_prompt(&loaded.config, ids, context)?;
-            let gpu_options = prompt.gpu_options(context, top_logits);
+            let gpu_options = GpuTierOptions {
+                profile,
+                ..prompt.gpu_options(context, top_logits)
+            };
             let mut session = open_session(&loaded, backend.into(), &gpu_options)?;
+            if profile && session.gpu().is_none() {
+                log::warn!(
+                    "--profile: the run is on the CPU tier, which has no GPU kernels to time"
+                );
+            }
             let adapter = session.gpu().map(|g| g.ctx().adapter.clone());
             let options = GenerateOptions {
                 max_new_tokens,
@@ -631,8 +701,10 @@ fn run(cli: Cli) -> Result<()> {
                 stop_at_eos: !ignore_eos,
                 context,
             };
-            // GPU counters at the end of the prefill and of the run: the decode phase's share.
+            // GPU counters and profiles at the end of the prefill and of the run: the decode
+            // phase's share.
             let mut marks = Vec::new();
+            let mut profiles = Vec::new();
             // Plain ids go out as they come, so an interrupt loses none of them.
             interrupts::catch();
             let mut streamed = 0usize;
@@ -641,7 +713,10 @@ fn run(cli: Cli) -> Result<()> {
                 &loaded.config,
                 ids,
                 &options,
-                &mut |s, _| marks.push(s.gpu_counters()),
+                &mut |s, _| {
+                    marks.push(s.gpu_counters());
+                    profiles.push(s.gpu_profile());
+                },
                 &mut |step| {
                     if !json {
                         use std::io::Write;
@@ -656,6 +731,7 @@ fn run(cli: Cli) -> Result<()> {
             let interrupted = out.stop == picchio::model::generate::StopReason::Interrupted;
             let ran_on = session.backend();
             loaded.experts.save_usage();
+            let kernel_times = decode_profile(&profiles, out.decode_tokens);
             if let Some(rate) = out.decode_tokens_per_s() {
                 log::info!(
                     "{ran_on}: prefill {:.1} ms, decode {rate:.2} tokens/s",
@@ -685,6 +761,9 @@ fn run(cli: Cli) -> Result<()> {
                     // The generated text, for models with the o200k_harmony vocabulary.
                     "text": harmony_text(&loaded.config, &out.generated_ids),
                 });
+                if let Some(rows) = &kernel_times {
+                    object["profile"] = serde_json::to_value(rows)?;
+                }
                 if stats {
                     let load = session.gpu().map(|g| g.load_report());
                     let gpu = match (adapter, marks.as_slice()) {
@@ -763,6 +842,9 @@ fn run(cli: Cli) -> Result<()> {
                 println!("{object}");
             } else {
                 println!();
+            }
+            if let Some(rows) = &kernel_times {
+                print_profile(rows);
             }
             if interrupted {
                 log::warn!("interrupted after {} tokens", out.generated_ids.len());

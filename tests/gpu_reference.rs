@@ -431,3 +431,36 @@ fn sessions_of_one_runtime_share_the_weights_and_keep_their_own_caches() {
         assert_eq!(side_by_side, alone, "{vram_budget:?}");
     }
 }
+
+/// A profiled run (`generate --profile`) stamps every dispatch it records, gives each kernel
+/// some device time, and changes no token.
+#[test]
+fn a_profile_times_every_dispatch_and_changes_no_token() {
+    let dir = fixtures_dir().join("tiny-routed");
+    let model = Model::load(&dir).unwrap();
+    let reference = reference(&dir);
+    let options = GpuTierOptions {
+        profile: true,
+        ..gpu_options()
+    };
+    let Some(mut gpu) = gpu_session(&model, options) else {
+        return;
+    };
+    let out = generate_with(
+        &mut gpu,
+        &model.config,
+        &reference.prompt_ids,
+        &greedy_options(8),
+    )
+    .unwrap();
+    assert_eq!(out.generated_ids, reference.generated_ids[..8]);
+    let profile = gpu.profile().unwrap();
+    let stamped: u64 = profile.kernels.values().map(|k| k.calls).sum();
+    assert_eq!(profile.unstamped, 0);
+    assert_eq!(stamped, gpu.counters.dispatches, "{profile:?}");
+    assert!(
+        profile.kernels.contains_key("matmul.wgsl:experts"),
+        "{profile:?}"
+    );
+    assert!(profile.total_ns() > 0.0, "{profile:?}");
+}

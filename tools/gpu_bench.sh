@@ -8,7 +8,8 @@
 # 3. benches decode and prefill at VRAM budgets 100%, 50%, 25% and 0% with the roofline
 #    (`picchio bench --backend gpu --roofline --json`): tokens/s, the adapter's own read
 #    bandwidth, roofline fraction, dispatches, submissions and readbacks per token,
-# 4. and `generate --stats` once fully resident, for the GPU counters of one run.
+# 4. and `generate --stats` once fully resident, for the GPU counters of one run, and
+#    `generate --profile` for the time of each kernel (where the adapter has timestamps).
 #
 # The model is a synthetic gpt-oss-20b (`picchio synth`, 13.8 GB on disk; about 14 GB of VRAM
 # for the resident run), or with --quick fixtures/tiny-routed (seconds; enough on lavapipe).
@@ -71,6 +72,12 @@ run "$bin" bench --model "$model" --backend gpu --vram-budgets 100%,50%,25%,0 \
     --prompt-tokens "$prompt" --gen-tokens "$gen" --roofline --json > "$out/bench.json"
 run "$bin" generate --model "$model" --backend gpu --vram-budget 100% --ids 1,2,3,4,5,6,7,8 \
     --max-new-tokens "$gen" --ignore-eos --stats --json > "$out/generate-resident.json"
+# Per-kernel device time, where the adapter has timestamp queries (a run of its own: profiling
+# records each kernel in a pass of its own, which would skew the stats above).
+if grep -q '"timestamp_query":true' "$out/devices.json"; then
+    run "$bin" generate --model "$model" --backend gpu --vram-budget 100% --ids 1,2,3,4,5,6,7,8 \
+        --max-new-tokens "$gen" --ignore-eos --profile --json > "$out/profile-resident.json"
+fi
 
 # A summary for the eye (the JSON has everything); needs python3, skipped without it.
 python3 - "$out" <<'EOF' || true
@@ -79,6 +86,10 @@ out = sys.argv[1]
 for path in sorted(glob.glob(os.path.join(out, "ab-*.json"))):
     ab = json.load(open(path))
     print(f"{os.path.basename(path)}: {ab['tokens_agreeing']} of {ab['steps']} tokens as the CPU tier's")
+profile = os.path.join(out, "profile-resident.json")
+if os.path.exists(profile):
+    for row in json.load(open(profile))["profile"][:8]:
+        print(f"{row['kernel']:<32} {row['calls_per_token']:7.1f} calls {row['ms_per_token']:9.3f} ms/token {row['share']:6.1%}")
 runs = json.load(open(os.path.join(out, "bench.json")))["runs"]
 number = lambda x, f: "-" if x is None else format(x, f)
 print("| VRAM budget | prefill tok/s | decode tok/s | roofline | dispatches/token | submits/token | readbacks/token |")

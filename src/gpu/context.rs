@@ -115,6 +115,8 @@ pub struct GpuContext {
     lost: Arc<AtomicBool>,
     /// Expert uploads still allowed before an injected fault (`u64::MAX`: no fault).
     expert_uploads_before_fault: AtomicU64,
+    /// Whether the device stamps compute passes (`gpu::profile`).
+    pub timestamps: bool,
 }
 
 impl GpuContext {
@@ -138,9 +140,11 @@ impl GpuContext {
             })?;
         let adapter_report = report(&adapter);
         let limits = adapter.limits();
+        // Timestamps cost nothing until a profile asks for them.
+        let features = adapter.features() & wgpu::Features::TIMESTAMP_QUERY;
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("picchio"),
-            required_features: wgpu::Features::empty(),
+            required_features: features,
             // The adapter's real limits: the defaults (128-256 MiB bindings) are far too small.
             required_limits: limits.clone(),
             experimental_features: wgpu::ExperimentalFeatures::disabled(),
@@ -188,6 +192,7 @@ impl GpuContext {
             max_workgroups_per_dimension: limits.max_compute_workgroups_per_dimension,
             lost,
             expert_uploads_before_fault: AtomicU64::new(u64::MAX),
+            timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
         })
     }
 

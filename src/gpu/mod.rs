@@ -7,6 +7,7 @@ pub mod bandwidth;
 pub mod context;
 pub mod kernels;
 pub mod pipelines;
+pub mod profile;
 
 pub use context::{GpuContext, GpuOptions, list_adapters};
 

@@ -8,6 +8,7 @@ use super::sampler::{argmax, top_k};
 use super::{KvCache, Model};
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::gpu::profile::GpuProfile;
 
 #[derive(Debug, Clone)]
 pub struct GenerateOptions {
@@ -143,6 +144,10 @@ pub trait Session {
     fn gpu_counters(&self) -> Option<GpuCounters> {
         None
     }
+    /// Per-kernel device time so far, when the GPU tier runs with a profile.
+    fn gpu_profile(&self) -> Option<GpuProfile> {
+        None
+    }
     /// Where each layer ran, when the GPU tier runs.
     fn placement(&self) -> Option<Vec<LayerPlacement>> {
         None
@@ -229,6 +234,10 @@ impl Session for GpuModel<'_> {
 
     fn gpu_counters(&self) -> Option<GpuCounters> {
         Some(self.counters)
+    }
+
+    fn gpu_profile(&self) -> Option<GpuProfile> {
+        self.profile().cloned()
     }
 
     fn placement(&self) -> Option<Vec<LayerPlacement>> {
@@ -521,6 +530,10 @@ impl Session for FallbackSession<'_> {
 
     fn gpu_counters(&self) -> Option<GpuCounters> {
         self.gpu.as_ref().map(|g| g.counters)
+    }
+
+    fn gpu_profile(&self) -> Option<GpuProfile> {
+        self.gpu.as_ref().and_then(|g| g.profile().cloned())
     }
 
     fn placement(&self) -> Option<Vec<LayerPlacement>> {

@@ -32,6 +32,7 @@ use crate::gpu::GpuContext;
 use crate::gpu::kernels::{
     Dispatch, GpuExperts, MAX_GPU_TOP_LOGITS, prepare_rms_norm, prepare_top_k,
 };
+use crate::gpu::profile::{GpuProfile, Profiler};
 
 /// What the GPU tier does with an expert its VRAM cache does not hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
@@ -79,6 +80,9 @@ pub struct GpuTierOptions {
     /// can be cut back to any earlier length (`truncate`): what a chat session reusing a prefix
     /// needs.
     pub keep_all_positions: bool,
+    /// Time every kernel with timestamp queries (`--profile`; an error where the adapter has
+    /// none).
+    pub profile: bool,
 }
 
 impl Default for GpuTierOptions {
@@ -91,6 +95,7 @@ impl Default for GpuTierOptions {
             miss_policy: MissPolicy::Auto,
             gpu_layers: None,
             keep_all_positions: false,
+            profile: false,
         }
     }
 }
@@ -241,40 +246,47 @@ pub struct GpuModel<'m> {
     pub counters: GpuCounters,
     /// Submit and check every kernel on its own (`PICCHIO_GPU_DEBUG=1`).
     debug: bool,
+    /// Per-kernel device time (`GpuTierOptions::profile`).
+    profiler: Option<Profiler>,
 }
 
-/// Records plan steps into `encoder`: consecutive dispatches share one compute pass, copies go
-/// between passes; cache-slot chunks only when a slot of theirs is `used`. Counts what it
-/// recorded into `counters`.
+/// Records plan steps into `encoder`: consecutive dispatches share one compute pass (with a
+/// `profiler`, each has a stamped pass of its own), copies go between passes; cache-slot chunks
+/// only when a slot of theirs is `used`. Counts what it recorded into `counters`.
 fn record(
     encoder: &mut wgpu::CommandEncoder,
     steps: &[PlanStep],
     used: &[bool],
     counters: &mut GpuCounters,
+    mut profiler: Option<&mut Profiler>,
 ) {
     let mut pass: Option<wgpu::ComputePass<'static>> = None;
     for step in steps {
-        match step {
-            PlanStep::SlotChunk { dispatch, slots } => {
-                if used[slots.clone()].contains(&true) {
-                    let p = pass.get_or_insert_with(|| {
-                        encoder
-                            .begin_compute_pass(&Default::default())
-                            .forget_lifetime()
-                    });
-                    dispatch.record(p);
-                    counters.dispatches += 1;
-                }
+        let dispatch = match step {
+            PlanStep::SlotChunk { dispatch, slots } if used[slots.clone()].contains(&true) => {
+                Some(dispatch)
             }
-            PlanStep::Dispatch(d) => {
+            PlanStep::Dispatch(d) => Some(d),
+            _ => None,
+        };
+        if let Some(dispatch) = dispatch {
+            counters.dispatches += 1;
+            if let Some(profiler) = profiler.as_deref_mut() {
+                // A stamped pass of its own.
+                pass = None;
+                dispatch.record(&mut profiler.pass(encoder, &dispatch.label));
+            } else {
                 let p = pass.get_or_insert_with(|| {
                     encoder
                         .begin_compute_pass(&Default::default())
                         .forget_lifetime()
                 });
-                d.record(p);
-                counters.dispatches += 1;
+                dispatch.record(p);
             }
+            continue;
+        }
+        match step {
+            PlanStep::SlotChunk { .. } | PlanStep::Dispatch(_) => {}
             PlanStep::Copy {
                 from,
                 from_offset,
@@ -457,8 +469,12 @@ impl<'m> GpuModel<'m> {
             last_block: 0,
             counters: GpuCounters::default(),
             debug: std::env::var("PICCHIO_GPU_DEBUG").is_ok_and(|v| v == "1"),
+            profiler: None,
             weights,
         };
+        if gpu.options.profile {
+            gpu.profiler = Some(Profiler::new(&gpu.weights.ctx)?);
+        }
         gpu.kv = (0..gpu_layers)
             .map(|l| gpu.new_kv(l, 0))
             .collect::<Result<_>>()?;
@@ -900,19 +916,36 @@ impl<'m> GpuModel<'m> {
 
     /// Records `steps` into one encoder and submits it.
     fn submit(&mut self, steps: &[PlanStep]) -> Result<()> {
-        let counters = &mut self.counters;
+        let (counters, profiler) = (&mut self.counters, &mut self.profiler);
         self.weights.ctx.guard(|| {
             let mut encoder = self
                 .weights
                 .ctx
                 .device
                 .create_command_encoder(&Default::default());
-            record(&mut encoder, steps, &self.used_slots, counters);
+            record(
+                &mut encoder,
+                steps,
+                &self.used_slots,
+                counters,
+                profiler.as_mut(),
+            );
+            if let Some(profiler) = profiler.as_ref() {
+                profiler.resolve(&mut encoder);
+            }
             self.weights.ctx.queue.submit([encoder.finish()]);
             Ok(())
         })?;
         self.counters.submits += 1;
+        if let Some(profiler) = &mut self.profiler {
+            profiler.collect(&self.weights.ctx)?;
+        }
         Ok(())
+    }
+
+    /// Per-kernel device time so far, when profiling.
+    pub fn profile(&self) -> Option<&GpuProfile> {
+        self.profiler.as_ref().map(|p| &p.profile)
     }
 
     /// The debug mode (`PICCHIO_GPU_DEBUG=1`): one submission per kernel, each checked for
@@ -947,7 +980,13 @@ impl<'m> GpuModel<'m> {
                 .device
                 .create_command_encoder(&Default::default());
             let (used, counters) = (&self.used_slots, &mut self.counters);
-            record(&mut encoder, std::slice::from_ref(step), used, counters);
+            record(
+                &mut encoder,
+                std::slice::from_ref(step),
+                used,
+                counters,
+                None,
+            );
             let label = match step {
                 PlanStep::Dispatch(d) | PlanStep::SlotChunk { dispatch: d, .. } => d.label.as_str(),
                 _ => "copy",
