@@ -2,6 +2,9 @@
 //
 // Entry `dense`: y[t][row_offset + r] = W[r] . x[t] + bias[row_offset + r] for a chunk of rows of a
 //   dense [out, in] matrix stored as bf16 (BF16), f16 (F16) or f32 (F32) words.
+// Entry `dense_rows` (DENSE_ROWS, BF16 or F16, `in` a multiple of 8): the same, ROWS rows per
+//   workgroup, each read by WG / ROWS lanes in 16-byte words (8 values), so that neighbouring
+//   lanes read neighbouring words and no load is half wasted.
 // Entry `experts_unquantized`: the same for float experts stored [E, in, out] (transformers'
 //   orientation, as save_pretrained writes unquantized GPT-OSS), BF16/F16/F32.
 // Entry `experts`: for every (token, slot) pair p, with e = ids[p] the routed expert,
@@ -28,7 +31,11 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
+#if DENSE_ROWS
+@group(0) @binding(1) var<storage, read> w4: array<vec4<u32>>;
+#else
 @group(0) @binding(1) var<storage, read> w: array<u32>;
+#endif
 @group(0) @binding(2) var<storage, read> x: array<f32>;
 @group(0) @binding(3) var<storage, read> bias: array<f32>;
 @group(0) @binding(4) var<storage, read_write> y: array<f32>;
@@ -56,6 +63,8 @@ fn reduce(lid: u32, value: f32) -> f32 {
 }
 
 // Element i of a float weight array (one of BF16, F16, F32 is defined for float weights).
+#if DENSE_ROWS
+#else
 #if BF16
 fn weight(i: u32) -> f32 {
     let word = w[i >> 1u];
@@ -72,6 +81,7 @@ fn weight(i: u32) -> f32 {
 fn weight(i: u32) -> f32 {
     return bitcast<f32>(w[i]);
 }
+#endif
 #endif
 
 #if DENSE
@@ -93,6 +103,64 @@ fn dense(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) 
     if (lid == 0u) {
         let row = p.row_offset + r;
         var v = total;
+        if (p.has_bias == 1u) {
+            v = v + bias[row];
+        }
+        y[t * p.out_stride + row] = v;
+    }
+}
+#endif
+
+#if DENSE_ROWS
+const ROWS: u32 = 4u;
+const LANES: u32 = WG / ROWS;
+
+// The two values of one 32-bit word, low half first.
+fn unpack_pair(word: u32) -> vec2<f32> {
+#if BF16
+    return vec2<f32>(bitcast<f32>(word << 16u), bitcast<f32>(word & 0xffff0000u));
+#endif
+#if F16
+    return unpack2x16float(word);
+#endif
+}
+
+// Eight weights (one 16-byte word) times x[xb .. xb + 8].
+fn dot8(word: vec4<u32>, xb: u32) -> f32 {
+    var sum = 0.0;
+    for (var k = 0u; k < 4u; k = k + 1u) {
+        let pair = unpack_pair(word[k]);
+        sum = sum + pair.x * x[xb + 2u * k] + pair.y * x[xb + 2u * k + 1u];
+    }
+    return sum;
+}
+
+@compute @workgroup_size(64)
+fn dense_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let slot = lid / LANES;
+    let lane = lid % LANES;
+    let r = (wg.x + wg.y * p.groups_x) * ROWS + slot;
+    let t = wg.z;
+    let words = p.cols / 8u;
+    var acc = 0.0;
+    if (r < p.rows) {
+        let xb = t * p.x_stride;
+        for (var i = lane; i < words; i = i + LANES) {
+            acc = acc + dot8(w4[r * words + i], xb + 8u * i);
+        }
+    }
+    // Each row's lanes reduce their own partial sums (every lane reaches every barrier).
+    partial[lid] = acc;
+    workgroupBarrier();
+    for (var stride = LANES / 2u; stride > 0u; stride = stride / 2u) {
+        if (lane < stride) {
+            partial[lid] = partial[lid] + partial[lid + stride];
+        }
+        workgroupBarrier();
+    }
+    if (lane == 0u && r < p.rows) {
+        let row = p.row_offset + r;
+        var v = partial[lid];
         if (p.has_bias == 1u) {
             v = v + bias[row];
         }

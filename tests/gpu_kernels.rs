@@ -23,6 +23,8 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
             &["DENSE", "BF16"],
             &["DENSE", "F16"],
             &["DENSE", "F32"],
+            &["DENSE_ROWS", "BF16"],
+            &["DENSE_ROWS", "F16"],
             &["EXPERTS", "MXFP4", "EXPERT_PAIRS"],
             &["EXPERTS", "INT4", "EXPERT_PAIRS"],
             &["EXPERTS_UNQUANTIZED", "BF16", "EXPERT_PAIRS"],
@@ -186,6 +188,8 @@ fn dense_matmul_matches_cpu() {
         check_dense(&ctx, "tiny", 7, 33, 1, format, true);
         check_dense(&ctx, "batch", 64, 96, 3, format, false);
         check_dense(&ctx, "odd", 130, 65, 5, format, true);
+        // Whole 16-byte words per row (dense_rows for bf16/f16), rows not a multiple of 4.
+        check_dense(&ctx, "words", 131, 72, 2, format, true);
     }
     // A real GPT-OSS projection (q_proj of 20B/120B).
     check_dense(&ctx, "q_proj", 4096, 2880, 1, FloatFormat::Bf16, true);
@@ -197,6 +201,7 @@ fn dense_matmul_splits_tensors_over_the_binding_limit() {
     let Some(ctx) = gpu(Some(2048)) else { return };
     check_dense(&ctx, "split", 130, 65, 3, FloatFormat::Bf16, true);
     check_dense(&ctx, "split", 33, 64, 2, FloatFormat::F32, false);
+    check_dense(&ctx, "split words", 33, 64, 2, FloatFormat::Bf16, true);
 }
 
 enum Quantized {

@@ -121,6 +121,11 @@ fn split(
         .collect())
 }
 
+/// Values in one 16-byte word of bf16/f16 weights (`dense_rows` needs whole words per row).
+const DENSE_WORD_VALUES: usize = 8;
+/// Rows one `dense_rows` workgroup computes (`ROWS` in matmul.wgsl).
+const DENSE_ROWS_PER_GROUP: usize = 4;
+
 impl GpuMatrix {
     pub fn upload(ctx: &GpuContext, name: &str, m: &DenseMatrix) -> Result<GpuMatrix> {
         let row_bytes = m.cols * m.format.size();
@@ -151,11 +156,18 @@ impl GpuMatrix {
         dummy: &wgpu::Buffer,
     ) -> Result<Vec<Dispatch>> {
         let format = format_define(self.format);
-        let defines = [("DENSE", "1".to_string()), (format, "1".to_string())];
+        // Half-precision rows of whole 16-byte words: several rows per workgroup, vector loads.
+        let by_words = self.format != FloatFormat::F32 && self.cols % DENSE_WORD_VALUES == 0;
+        let (variant, entry, rows_per_group) = if by_words {
+            ("DENSE_ROWS", "dense_rows", DENSE_ROWS_PER_GROUP)
+        } else {
+            ("DENSE", "dense", 1)
+        };
+        let defines = [(variant, "1".to_string()), (format, "1".to_string())];
         self.chunks
             .iter()
             .map(|(first, rows, buffer)| {
-                let (gx, gy) = ctx.row_groups(*rows)?;
+                let (gx, gy) = ctx.row_groups(rows.div_ceil(rows_per_group))?;
                 let params = [
                     u32_of(*rows, "rows")?,
                     u32_of(self.cols, "cols")?,
@@ -173,7 +185,7 @@ impl GpuMatrix {
                 let buffers = [buffer, x, bias.unwrap_or(dummy), y];
                 ctx.prepare(
                     "matmul.wgsl",
-                    "dense",
+                    entry,
                     &defines,
                     &params,
                     &buffers,
