@@ -50,16 +50,23 @@ struct Params {
 var<workgroup> partial: array<f32, WG>;
 var<workgroup> routed: u32;
 
-fn reduce(lid: u32, value: f32) -> f32 {
+// Sums `value` over each run of `width` consecutive lanes (a power of two dividing WG, the same
+// in the whole workgroup); each lane gets its run's sum.
+fn reduce_lanes(lid: u32, width: u32, value: f32) -> f32 {
     partial[lid] = value;
     workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride = stride / 2u) {
-        if (lid < stride) {
+    let lane = lid % width;
+    for (var stride = width / 2u; stride > 0u; stride = stride / 2u) {
+        if (lane < stride) {
             partial[lid] = partial[lid] + partial[lid + stride];
         }
         workgroupBarrier();
     }
-    return partial[0];
+    return partial[lid - lane];
+}
+
+fn reduce(lid: u32, value: f32) -> f32 {
+    return reduce_lanes(lid, WG, value);
 }
 
 // Element i of a float weight array (one of BF16, F16, F32 is defined for float weights).
@@ -149,18 +156,11 @@ fn dense_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
             acc = acc + dot8(w4[r * words + i], xb + 8u * i);
         }
     }
-    // Each row's lanes reduce their own partial sums (every lane reaches every barrier).
-    partial[lid] = acc;
-    workgroupBarrier();
-    for (var stride = LANES / 2u; stride > 0u; stride = stride / 2u) {
-        if (lane < stride) {
-            partial[lid] = partial[lid] + partial[lid + stride];
-        }
-        workgroupBarrier();
-    }
+    // Each row's lanes sum their partial products (every lane reaches every barrier).
+    let total = reduce_lanes(lid, LANES, acc);
     if (lane == 0u && r < p.rows) {
         let row = p.row_offset + r;
-        var v = partial[lid];
+        var v = total;
         if (p.has_bias == 1u) {
             v = v + bias[row];
         }
