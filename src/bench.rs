@@ -124,6 +124,9 @@ pub struct BenchRun {
     pub gpu_readbacks_per_token: Option<f64>,
     /// Prefill speed of a 512-token prompt (roofline runs only).
     pub prefill_512_tokens_per_s: Option<f64>,
+    /// That prefill's speed over this run's decode speed: how much faster a 512-token prompt
+    /// runs than 512 tokens decoded one at a time (roofline runs only).
+    pub prefill_512_over_decode: Option<f64>,
     /// Where a decoded token's time went on the CPU tier, ms: attention (projections included),
     /// experts (router and MoE), head (final norm and LM head).
     pub decode_attention_ms_per_token: f64,
@@ -514,6 +517,9 @@ pub fn run_bench(
             gpu_submits_per_token: gpu_per_token(|c| c.submits),
             gpu_readbacks_per_token: gpu_per_token(|c| c.readbacks),
             prefill_512_tokens_per_s,
+            prefill_512_over_decode: prefill_512_tokens_per_s
+                .filter(|_| decode_tokens_per_s > 0.0)
+                .map(|prefill| prefill / decode_tokens_per_s),
             decode_attention_ms_per_token: split.0,
             decode_experts_ms_per_token: split.1,
             decode_head_ms_per_token: split.2,

@@ -92,11 +92,11 @@ if os.path.exists(profile):
         print(f"{row['kernel']:<32} {row['calls_per_token']:7.1f} calls {row['ms_per_token']:9.3f} ms/token {row['share']:6.1%}")
 runs = json.load(open(os.path.join(out, "bench.json")))["runs"]
 number = lambda x, f: "-" if x is None else format(x, f)
-print("| VRAM budget | prefill tok/s | decode tok/s | roofline | dispatches/token | submits/token | readbacks/token |")
-print("|---|---|---|---|---|---|---|")
+print("| VRAM budget | prefill tok/s | decode tok/s | prefill 512 / decode | roofline | dispatches/token | submits/token | readbacks/token |")
+print("|---|---|---|---|---|---|---|---|")
 for r in runs:
     print(f"| {r['vram_budget']} | {r['prefill_tokens_per_s']:.1f} | {r['decode_tokens_per_s']:.2f} | "
-          f"{number(r.get('roofline_fraction'), '.1%')} | {number(r.get('gpu_dispatches_per_token'), '.0f')} | "
+          f"{number(r.get('prefill_512_over_decode'), '.2f')} | {number(r.get('roofline_fraction'), '.1%')} | {number(r.get('gpu_dispatches_per_token'), '.0f')} | "
           f"{number(r.get('gpu_submits_per_token'), '.2f')} | {number(r.get('gpu_readbacks_per_token'), '.2f')} |")
 EOF
 echo "results in $out/"
