@@ -69,6 +69,16 @@ fn reduce(lid: u32, value: f32) -> f32 {
     return reduce_lanes(lid, WG, value);
 }
 
+// Writes a dense row's dot product: y[t][row_offset + r] = total + bias[row_offset + r].
+fn write_dense_row(t: u32, r: u32, total: f32) {
+    let row = p.row_offset + r;
+    var v = total;
+    if (p.has_bias == 1u) {
+        v = v + bias[row];
+    }
+    y[t * p.out_stride + row] = v;
+}
+
 // Element i of a float weight array (one of BF16, F16, F32 is defined for float weights).
 #if DENSE_ROWS
 #else
@@ -108,12 +118,7 @@ fn dense(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) 
     }
     let total = reduce(lid, acc);
     if (lid == 0u) {
-        let row = p.row_offset + r;
-        var v = total;
-        if (p.has_bias == 1u) {
-            v = v + bias[row];
-        }
-        y[t * p.out_stride + row] = v;
+        write_dense_row(t, r, total);
     }
 }
 #endif
@@ -159,12 +164,7 @@ fn dense_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     // Each row's lanes sum their partial products (every lane reaches every barrier).
     let total = reduce_lanes(lid, LANES, acc);
     if (lane == 0u && r < p.rows) {
-        let row = p.row_offset + r;
-        var v = total;
-        if (p.has_bias == 1u) {
-            v = v + bias[row];
-        }
-        y[t * p.out_stride + row] = v;
+        write_dense_row(t, r, total);
     }
 }
 #endif

@@ -454,10 +454,12 @@ pub fn run_bench(
                 bandwidth.map(|_| "host"),
             ),
         };
-        let gpu_per_token = |of: fn(&GpuCounters) -> u64| match gpu_marks.as_slice() {
-            [Some(prefill), Some(end)] => Some((of(end) - of(prefill)) as f64 / decoded),
+        let gpu_decode = match gpu_marks.as_slice() {
+            [Some(prefill), Some(end)] => Some(end.since(prefill)),
             _ => None,
         };
+        let gpu_per_token =
+            |of: fn(&GpuCounters) -> u64| gpu_decode.map(|d| of(&d) as f64 / decoded);
         let prefill_512_tokens_per_s = if options.roofline {
             Some(long_prefill_tokens_per_s(
                 &runtime,

@@ -586,8 +586,6 @@ pub struct ExpertStore {
     experts_per_layer: usize,
     /// The usage file (`usage_file`), when hot experts are on and there is a place for it.
     usage_path: Option<PathBuf>,
-    /// Pin hot experts from, and save usage to, the usage file.
-    hot_experts: bool,
     /// Pinning happens before the first fetch (never, for runs that fetch nothing: the GPU tier).
     pinning_started: AtomicBool,
 }
@@ -714,8 +712,7 @@ impl ExpertStore {
             usage_path: hot_experts
                 .then(|| usage_file(ck, usage_dir.as_deref()))
                 .flatten(),
-            hot_experts,
-            pinning_started: std::sync::atomic::AtomicBool::new(!hot_experts),
+            pinning_started: AtomicBool::new(!hot_experts),
         };
         Ok(store)
     }
@@ -879,12 +876,10 @@ impl ExpertStore {
     /// only costs the pinning of later runs).
     pub fn save_usage(&self) {
         let requested = self.usage.iter().any(|u| u.load(Ordering::Relaxed) > 0);
-        let Some(path) = self.usage_path.as_ref().filter(|_| self.hot_experts) else {
+        // No path without hot experts.
+        let (Some(path), true) = (&self.usage_path, requested) else {
             return;
         };
-        if !requested {
-            return;
-        }
         let mut usage = self.saved_usage().unwrap_or(Usage {
             layers: self.usage.len() / self.experts_per_layer.max(1),
             experts: self.experts_per_layer,

@@ -771,19 +771,20 @@ fn run(cli: Cli) -> Result<()> {
                             let per_token = |n: u64| {
                                 (out.decode_tokens > 0).then(|| n as f64 / out.decode_tokens as f64)
                             };
+                            let decode = end.since(prefill);
                             json!({
                                 "adapter": a.name,
                                 "backend": a.backend,
                                 "device_type": a.device_type,
-                                "submits_per_token": per_token(end.submits - prefill.submits),
-                                "dispatches_per_token": per_token(end.dispatches - prefill.dispatches),
-                                "copies_per_token": per_token(end.copies - prefill.copies),
-                                "readbacks_per_token": per_token(end.readbacks - prefill.readbacks),
+                                "submits_per_token": per_token(decode.submits),
+                                "dispatches_per_token": per_token(decode.dispatches),
+                                "copies_per_token": per_token(decode.copies),
+                                "readbacks_per_token": per_token(decode.readbacks),
                                 "prefill_submits": prefill.submits,
                                 "prefill_dispatches": prefill.dispatches,
                                 "prefill_readbacks": prefill.readbacks,
-                                "cpu_expert_ms_per_token": per_token(end.cpu_expert_us - prefill.cpu_expert_us).map(|us| us / 1e3),
-                                "readback_wait_ms_per_token": per_token(end.readback_wait_us - prefill.readback_wait_us).map(|us| us / 1e3),
+                                "cpu_expert_ms_per_token": per_token(decode.cpu_expert_us).map(|us| us / 1e3),
+                                "readback_wait_ms_per_token": per_token(decode.readback_wait_us).map(|us| us / 1e3),
                                 "load": load,
                             })
                         }

@@ -76,19 +76,10 @@ pub fn measure(ctx: &GpuContext) -> Result<GpuBandwidth> {
         .iter()
         .map(|data| prepare_read(ctx, data, piece, &folded))
         .collect::<Result<_>>()?;
+    let passes: Vec<&Dispatch> = (0..PASSES).flat_map(|_| &reads).collect();
     let submit = || -> Result<f64> {
         let started = Instant::now();
-        let mut encoder = ctx.device.create_command_encoder(&Default::default());
-        {
-            let mut pass = encoder.begin_compute_pass(&Default::default());
-            for _ in 0..PASSES {
-                for read in &reads {
-                    read.record(&mut pass);
-                }
-            }
-        }
-        ctx.queue.submit([encoder.finish()]);
-        ctx.wait()?;
+        ctx.run(&passes)?;
         Ok(started.elapsed().as_secs_f64())
     };
     submit()?; // warm-up: pipelines, first touch of the pages

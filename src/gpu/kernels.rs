@@ -157,7 +157,8 @@ impl GpuMatrix {
     ) -> Result<Vec<Dispatch>> {
         let format = format_define(self.format);
         // Half-precision rows of whole 16-byte words: several rows per workgroup, vector loads.
-        let by_words = self.format != FloatFormat::F32 && self.cols.is_multiple_of(DENSE_WORD_VALUES);
+        let by_words =
+            self.format != FloatFormat::F32 && self.cols.is_multiple_of(DENSE_WORD_VALUES);
         let (variant, entry, rows_per_group) = if by_words {
             ("DENSE_ROWS", "dense_rows", DENSE_ROWS_PER_GROUP)
         } else {

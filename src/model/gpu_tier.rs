@@ -148,6 +148,20 @@ pub struct GpuCounters {
     pub readback_wait_us: u64,
 }
 
+impl GpuCounters {
+    /// What was counted since `earlier` (a snapshot of the same session's counters).
+    pub fn since(&self, earlier: &GpuCounters) -> GpuCounters {
+        GpuCounters {
+            submits: self.submits - earlier.submits,
+            dispatches: self.dispatches - earlier.dispatches,
+            copies: self.copies - earlier.copies,
+            readbacks: self.readbacks - earlier.readbacks,
+            cpu_expert_us: self.cpu_expert_us - earlier.cpu_expert_us,
+            readback_wait_us: self.readback_wait_us - earlier.readback_wait_us,
+        }
+    }
+}
+
 /// Activation buffers, sized for `max_block` tokens.
 struct Activations {
     step: wgpu::Buffer,
