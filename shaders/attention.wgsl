@@ -1,6 +1,12 @@
 // Causal attention with per-head sinks and an optional sliding window, over a KV cache on the GPU.
 //
-// Entry `store`: copies the block's keys/values ([tokens, kv_dim]) into the cache slots
+// The block's queries, keys and values are rows of one buffer (the stacked q/k/v product): row t
+// holds them at q_offset, k_offset and v_offset, row_stride floats apart. Where rotate_q/rotate_k
+// say so, the rotary embedding (NeoX half-split, per-token cos/sin from the host, attention factor
+// included) is applied as they are read, so it costs no pass of its own:
+//   x'[i] = x[i] * cos[t][i] - x[i + D/2] * sin[t][i],  x'[i + D/2] = x[i + D/2] * cos[t][i] + x[i] * sin[t][i]
+//
+// Entry `store`: writes the block's keys (rotated) and values into the cache slots
 //   (position % capacity). Sliding layers keep a ring of at least window + block - 1 slots, so
 //   no key a query of the block needs is overwritten.
 // Entry `attend`: one workgroup per (query, head). Keys are visited in tiles of 64 with an online
@@ -21,6 +27,14 @@ struct Params {
     window: u32,        // keys a query sees (0 = all)
     scaling: f32,
     groups_x: u32,      // workgroups along x of `store` (index = x + y * groups_x * 64)
+    row_stride: u32,    // floats per row of qkv
+    q_offset: u32,
+    k_offset: u32,
+    v_offset: u32,
+    rotate_q: u32,
+    rotate_k: u32,
+    pad0: u32,
+    pad1: u32,
 }
 
 // Per-step values written by the host before each submission.
@@ -33,11 +47,30 @@ struct Step {
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<uniform> step: Step;
+@group(0) @binding(2) var<storage, read> qkv: array<f32>;
+@group(0) @binding(3) var<storage, read> cos_table: array<f32>;
+@group(0) @binding(4) var<storage, read> sin_table: array<f32>;
+
+// Value i of the head starting at qkv[head], for token t: rotated when `rotate` is 1.
+fn head_value(head: u32, i: u32, t: u32, rotate: u32) -> f32 {
+    if (rotate == 0u) {
+        return qkv[head + i];
+    }
+    let half = p.head_dim / 2u;
+    if (i < half) {
+        let c = cos_table[t * half + i];
+        let s = sin_table[t * half + i];
+        return qkv[head + i] * c - qkv[head + i + half] * s;
+    }
+    let j = i - half;
+    let c = cos_table[t * half + j];
+    let s = sin_table[t * half + j];
+    return qkv[head + i] * c + qkv[head + j] * s;
+}
+
 #if STORE
-@group(0) @binding(2) var<storage, read> k_new: array<f32>;
-@group(0) @binding(3) var<storage, read> v_new: array<f32>;
-@group(0) @binding(4) var<storage, read_write> k_cache: array<f32>;
-@group(0) @binding(5) var<storage, read_write> v_cache: array<f32>;
+@group(0) @binding(5) var<storage, read_write> k_cache: array<f32>;
+@group(0) @binding(6) var<storage, read_write> v_cache: array<f32>;
 
 @compute @workgroup_size(64)
 fn store(@builtin(global_invocation_id) gid: vec3<u32>) {
@@ -49,17 +82,18 @@ fn store(@builtin(global_invocation_id) gid: vec3<u32>) {
     let t = index / kv_dim;
     let slot = (step.start + t) % p.capacity;
     let d = index % kv_dim;
-    k_cache[slot * kv_dim + d] = k_new[index];
-    v_cache[slot * kv_dim + d] = v_new[index];
+    let i = d % p.head_dim;
+    let row = t * p.row_stride;
+    k_cache[slot * kv_dim + d] = head_value(row + p.k_offset + d - i, i, t, p.rotate_k);
+    v_cache[slot * kv_dim + d] = qkv[row + p.v_offset + d];
 }
 #endif
 
 #if ATTEND
-@group(0) @binding(2) var<storage, read> q: array<f32>;
-@group(0) @binding(3) var<storage, read> k_cache: array<f32>;
-@group(0) @binding(4) var<storage, read> v_cache: array<f32>;
-@group(0) @binding(5) var<storage, read> sinks: array<f32>;
-@group(0) @binding(6) var<storage, read_write> out: array<f32>;
+@group(0) @binding(5) var<storage, read> k_cache: array<f32>;
+@group(0) @binding(6) var<storage, read> v_cache: array<f32>;
+@group(0) @binding(7) var<storage, read> sinks: array<f32>;
+@group(0) @binding(8) var<storage, read_write> out: array<f32>;
 
 var<workgroup> q_local: array<f32, MAX_HEAD_DIM>;
 var<workgroup> scores: array<f32, WG>;
@@ -76,8 +110,9 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
     if (p.window > 0u && position + 1u > p.window) {
         first = position + 1u - p.window;
     }
+    let query = t * p.row_stride + p.q_offset + h * d;
     for (var i = lid; i < d; i = i + WG) {
-        q_local[i] = q[(t * p.num_heads + h) * d + i];
+        q_local[i] = head_value(query, i, t, p.rotate_q);
     }
     workgroupBarrier();
 

@@ -33,7 +33,6 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
         ],
     ),
     ("norm.wgsl", &[&[]]),
-    ("rope.wgsl", &[&[]]),
     (
         "attention.wgsl",
         &[
@@ -346,33 +345,79 @@ fn rope_config(head_dim: usize) -> picchio::Config {
     picchio::Config::from_json(&text, std::path::Path::new("test")).unwrap()
 }
 
+/// Per-token rotary tables of positions `positions`, as the host writes them.
+fn rotary_tables(
+    rope: &cpu::rope::RopeTable,
+    positions: std::ops::Range<usize>,
+) -> (Vec<f32>, Vec<f32>) {
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for position in positions {
+        let (c, s) = rope.cos_sin(position);
+        cos.extend(c);
+        sin.extend(s);
+    }
+    (cos, sin)
+}
+
+/// `[tokens, width]` rows of `x`, each head rotated as the CPU tier does at positions `first..`.
+fn rotated_rows(rope: &cpu::rope::RopeTable, x: &[f32], width: usize, first: usize) -> Vec<f32> {
+    let mut out = x.to_vec();
+    for (t, row) in out.chunks_mut(width).enumerate() {
+        let (c, s) = rope.cos_sin(first + t);
+        rope.apply(row, &c, &s);
+    }
+    out
+}
+
+/// The store kernel rotates keys as it writes them: its cache against the CPU tier's rope.
 #[test]
 fn rope_matches_cpu() {
+    use picchio::gpu::kernels::{AttentionInputs, AttentionShape, QkvRows, prepare_kv_store};
     let Some(ctx) = gpu(None) else { return };
     for (head_dim, heads, start, tokens) in [(16, 3, 0, 4), (64, 8, 1000, 2), (64, 64, 4095, 1)] {
         let rope = cpu::rope::RopeTable::new(&rope_config(head_dim));
-        let x = values(tokens * heads * head_dim, 3);
-        let mut want = x.clone();
-        let (mut cos, mut sin) = (Vec::new(), Vec::new());
-        for t in 0..tokens {
-            let (c, s) = rope.cos_sin(start + t);
-            rope.apply(
-                &mut want[t * heads * head_dim..(t + 1) * heads * head_dim],
-                &c,
-                &s,
-            );
-            cos.extend(c);
-            sin.extend(s);
-        }
-        let (xb, cb, sb) = (
-            ctx.upload_f32("x", &x),
-            ctx.upload_f32("cos", &cos),
-            ctx.upload_f32("sin", &sin),
-        );
-        let d = picchio::gpu::kernels::prepare_rope(&ctx, &xb, (tokens, heads, head_dim), &cb, &sb)
-            .unwrap();
+        let width = heads * head_dim;
+        let keys = values(tokens * width, 3);
+        let want = rotated_rows(&rope, &keys, width, start);
+        // Rows of [keys, values]; the values are not looked at.
+        let rows: Vec<f32> = keys
+            .chunks(width)
+            .flat_map(|k| k.iter().chain(k).copied())
+            .collect();
+        let (cos, sin) = rotary_tables(&rope, start..start + tokens);
+        let shape = AttentionShape {
+            num_heads: heads,
+            num_kv_heads: heads,
+            head_dim,
+            capacity: tokens,
+            window: None,
+        };
+        let buffers =
+            [("rows", rows), ("cos", cos), ("sin", sin)].map(|(n, v)| ctx.upload_f32(n, &v));
+        let bytes = (tokens * width * 4) as u64;
+        let caches = ["keys", "values"].map(|n| ctx.zeroed(n, bytes).unwrap());
+        // Token t lands in slot t: each case starts on a multiple of its length (the capacity).
+        assert_eq!(start % tokens, 0);
+        let step = ctx.uniform("step", bytemuck::cast_slice(&[start as u32, 0, 0, 0]));
+        let inputs = AttentionInputs {
+            step: &step,
+            rows: QkvRows {
+                buffer: &buffers[0],
+                stride: 2 * width,
+                query: 0,
+                key: 0,
+                value: width,
+                rotate_query: false,
+                rotate_key: true,
+            },
+            cos: &buffers[1],
+            sin: &buffers[2],
+            keys: &caches[0],
+            values: &caches[1],
+        };
+        let d = prepare_kv_store(&ctx, shape, tokens, &inputs).unwrap();
         ctx.run(&[&d]).unwrap();
-        let got = ctx.read_f32(&xb, x.len()).unwrap();
+        let got = ctx.read_f32(&caches[0], want.len()).unwrap();
         let (atol, rtol) = ROPE_TOLERANCE;
         assert_close(
             &format!("rope D{head_dim} x{heads} at {start}"),
@@ -385,50 +430,51 @@ fn rope_matches_cpu() {
 }
 
 /// Attention of `tokens` queries at positions start.. against keys 0..start+tokens, on the GPU
-/// (cache written by the store kernel in two steps, ring when windowed) and on the CPU.
+/// (cache written by the store kernel in two steps, ring when windowed; queries and keys rotated
+/// by the kernels when `rotate`) and on the CPU.
 fn check_attention(
     ctx: &GpuContext,
     (heads, kv_heads, head_dim): (usize, usize, usize),
-    start: usize,
-    tokens: usize,
+    (start, tokens): (usize, usize),
     window: Option<usize>,
+    rotate: bool,
 ) {
-    use picchio::gpu::kernels::{AttentionShape, prepare_attention, prepare_kv_store};
-    let kv_dim = kv_heads * head_dim;
+    use picchio::gpu::kernels::{
+        AttentionInputs, AttentionShape, QkvRows, prepare_attention, prepare_kv_store,
+    };
+    let (q_dim, kv_dim) = (heads * head_dim, kv_heads * head_dim);
     let total = start + tokens;
-    let q: Vec<f32> = values(tokens * heads * head_dim, 11)
-        .iter()
-        .map(|v| v * 2.0)
-        .collect();
+    let q: Vec<f32> = values(tokens * q_dim, 11).iter().map(|v| v * 2.0).collect();
     let k: Vec<f32> = values(total * kv_dim, 12).iter().map(|v| v * 2.0).collect();
     let v = values(total * kv_dim, 13);
     let sinks: Vec<f32> = values(heads, 14);
+    let rope = cpu::rope::RopeTable::new(&rope_config(head_dim));
+    let (q_seen, k_seen) = match rotate {
+        true => (
+            rotated_rows(&rope, &q, q_dim, start),
+            rotated_rows(&rope, &k, kv_dim, 0),
+        ),
+        false => (q.clone(), k.clone()),
+    };
     let layout = cpu::attention::HeadLayout {
         num_heads: heads,
         num_kv_heads: kv_heads,
         head_dim,
     };
     let scaling = (head_dim as f64).powf(-0.5) as f32;
-    let mut want = vec![0f32; tokens * heads * head_dim];
+    let mut want = vec![0f32; tokens * q_dim];
     for t in 0..tokens {
         let position = start + t;
         let keys = cpu::attention::first_visible_key(position, window)..=position;
         let kv = |j: usize| {
             (
-                &k[j * kv_dim..(j + 1) * kv_dim],
+                &k_seen[j * kv_dim..(j + 1) * kv_dim],
                 &v[j * kv_dim..(j + 1) * kv_dim],
             )
         };
-        let out = &mut want[t * heads * head_dim..(t + 1) * heads * head_dim];
-        cpu::attention::attend(
-            layout,
-            &q[t * heads * head_dim..(t + 1) * heads * head_dim],
-            keys,
-            kv,
-            &sinks,
-            scaling,
-            out,
-        );
+        let out = &mut want[t * q_dim..(t + 1) * q_dim];
+        let query = &q_seen[t * q_dim..(t + 1) * q_dim];
+        cpu::attention::attend(layout, query, keys, kv, &sinks, scaling, out);
     }
 
     // Ring of window + block - 1 slots for sliding layers, everything for full ones.
@@ -440,39 +486,62 @@ fn check_attention(
         capacity,
         window,
     };
-    let k_cache = ctx
-        .zeroed("k_cache", (capacity * kv_dim * 4) as u64)
-        .unwrap();
-    let v_cache = ctx
-        .zeroed("v_cache", (capacity * kv_dim * 4) as u64)
-        .unwrap();
+    let bytes = (capacity * kv_dim * 4) as u64;
+    let caches = ["k_cache", "v_cache"].map(|n| ctx.zeroed(n, bytes).unwrap());
     let step = ctx.uniform("step", bytemuck::cast_slice(&[0u32; 4]));
-    // Past keys (positions 0..start) in one block, then the new block, as prefill then decode.
+    let stride = q_dim + 2 * kv_dim;
+    let (sb, ob) = (
+        ctx.upload_f32("sinks", &sinks),
+        ctx.zeroed("out", (want.len() * 4) as u64).unwrap(),
+    );
+    // Past keys (positions 0..start) in one block, then the new block, as prefill then decode;
+    // only the new block attends, so the past block's queries are zeros.
     for (first, count) in [(0, start), (start, tokens)] {
         if count == 0 {
             continue;
         }
         ctx.queue
             .write_buffer(&step, 0, bytemuck::cast_slice(&[first as u32, 0, 0, 0]));
-        let (kb, vb) = (
-            ctx.upload_f32("k", &k[first * kv_dim..(first + count) * kv_dim]),
-            ctx.upload_f32("v", &v[first * kv_dim..(first + count) * kv_dim]),
-        );
-        let d = prepare_kv_store(ctx, shape, count, &step, &kb, &vb, &k_cache, &v_cache).unwrap();
-        ctx.run(&[&d]).unwrap();
+        let mut rows = Vec::with_capacity(count * stride);
+        for t in 0..count {
+            let j = first + t;
+            match first == start {
+                true => rows.extend_from_slice(&q[t * q_dim..(t + 1) * q_dim]),
+                false => rows.extend(std::iter::repeat_n(0.0, q_dim)),
+            }
+            rows.extend_from_slice(&k[j * kv_dim..(j + 1) * kv_dim]);
+            rows.extend_from_slice(&v[j * kv_dim..(j + 1) * kv_dim]);
+        }
+        let (cos, sin) = rotary_tables(&rope, first..first + count);
+        let buffers =
+            [("rows", rows), ("cos", cos), ("sin", sin)].map(|(n, v)| ctx.upload_f32(n, &v));
+        let inputs = AttentionInputs {
+            step: &step,
+            rows: QkvRows {
+                buffer: &buffers[0],
+                stride,
+                query: 0,
+                key: q_dim,
+                value: q_dim + kv_dim,
+                rotate_query: rotate,
+                rotate_key: rotate,
+            },
+            cos: &buffers[1],
+            sin: &buffers[2],
+            keys: &caches[0],
+            values: &caches[1],
+        };
+        let store = prepare_kv_store(ctx, shape, count, &inputs).unwrap();
+        ctx.run(&[&store]).unwrap();
+        if first == start {
+            let attend = prepare_attention(ctx, shape, tokens, &inputs, &sb, &ob).unwrap();
+            ctx.run(&[&attend]).unwrap();
+        }
     }
-    let (qb, sb, ob) = (
-        ctx.upload_f32("q", &q),
-        ctx.upload_f32("sinks", &sinks),
-        ctx.zeroed("out", (want.len() * 4) as u64).unwrap(),
-    );
-    let d =
-        prepare_attention(ctx, shape, tokens, &step, &qb, &k_cache, &v_cache, &sb, &ob).unwrap();
-    ctx.run(&[&d]).unwrap();
     let got = ctx.read_f32(&ob, want.len()).unwrap();
     let (atol, rtol) = ATTENTION_TOLERANCE;
     let what = format!(
-        "attention {heads}x{head_dim} (kv {kv_heads}) at {start} x{tokens} window {window:?}"
+        "attention {heads}x{head_dim} (kv {kv_heads}) at {start} x{tokens} window {window:?} rotated {rotate}"
     );
     let c = assert_close(&what, &got, &want, atol, rtol);
     eprintln!("{what}: max |error| {:e}", c.max_abs_error);
@@ -481,12 +550,13 @@ fn check_attention(
 #[test]
 fn attention_matches_cpu() {
     let Some(ctx) = gpu(None) else { return };
-    check_attention(&ctx, (4, 2, 16), 0, 5, None); // prefill from scratch
-    check_attention(&ctx, (4, 2, 16), 10, 3, Some(4)); // window crossed, ring
-    check_attention(&ctx, (6, 2, 32), 70, 1, Some(16)); // decode past two 64-key tiles
-    check_attention(&ctx, (2, 1, 96), 130, 2, None); // head_dim above 64, three tiles
+    check_attention(&ctx, (4, 2, 16), (0, 5), None, false); // prefill from scratch
+    check_attention(&ctx, (4, 2, 16), (0, 5), None, true);
+    check_attention(&ctx, (4, 2, 16), (10, 3), Some(4), true); // window crossed, ring
+    check_attention(&ctx, (6, 2, 32), (70, 1), Some(16), true); // decode past two 64-key tiles
+    check_attention(&ctx, (2, 1, 96), (130, 2), None, true); // head_dim above 64, three tiles
     // GPT-OSS shape: 64 heads of 64, 8 kv heads, decode with the 128-key window.
-    check_attention(&ctx, (64, 8, 64), 300, 1, Some(128));
+    check_attention(&ctx, (64, 8, 64), (300, 1), Some(128), true);
 }
 
 #[test]

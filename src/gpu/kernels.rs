@@ -144,6 +144,37 @@ impl GpuMatrix {
         })
     }
 
+    /// The rows of `parts` one after the other as one matrix (q, k and v, for one product).
+    pub fn upload_stacked(
+        ctx: &GpuContext,
+        name: &str,
+        parts: &[&DenseMatrix],
+    ) -> Result<GpuMatrix> {
+        if let Some(stacked) = DenseMatrix::stacked(parts) {
+            return Self::upload(ctx, name, &stacked);
+        }
+        let Some(first) = parts.first() else {
+            return Err(Error::Gpu(format!("{name}: nothing to stack")));
+        };
+        if parts
+            .iter()
+            .any(|m| m.format != first.format || m.cols != first.cols)
+        {
+            return Err(Error::Gpu(format!(
+                "{name}: the matrices differ in format or width, so they cannot be stacked"
+            )));
+        }
+        let bytes: Vec<u8> = parts.iter().flat_map(|m| m.data.bytes()).copied().collect();
+        let length = bytes.len();
+        let stacked = DenseMatrix {
+            rows: parts.iter().map(|m| m.rows).sum(),
+            cols: first.cols,
+            format: first.format,
+            data: crate::weights::TensorBytes::shared(Arc::new(bytes), 0..length),
+        };
+        Self::upload(ctx, name, &stacked)
+    }
+
     /// `y[t][r] = W[r] . x[t] + bias[r]` for `tokens` rows of `x` (row stride `cols`); `y` has
     /// row stride `rows`. One dispatch per chunk.
     pub fn prepare(
@@ -462,25 +493,6 @@ impl GpuContext {
     }
 }
 
-/// Rotates `heads` heads of `tokens` rows of `x` in place with per-token `cos`/`sin` rows
-/// (`head_dim / 2` each, attention factor applied).
-pub fn prepare_rope(
-    ctx: &GpuContext,
-    x: &wgpu::Buffer,
-    (tokens, heads, head_dim): (usize, usize, usize),
-    cos: &wgpu::Buffer,
-    sin: &wgpu::Buffer,
-) -> Result<Dispatch> {
-    let groups = ctx.flat_groups(tokens * heads * head_dim / 2, 64)?;
-    let params = [
-        u32_of(head_dim, "head_dim")?,
-        u32_of(heads, "heads")?,
-        u32_of(tokens, "tokens")?,
-        groups[0],
-    ];
-    ctx.prepare("rope.wgsl", "rope", &[], &params, &[x, cos, sin], groups)
-}
-
 /// Shape of one layer's attention on the GPU.
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionShape {
@@ -493,8 +505,34 @@ pub struct AttentionShape {
     pub window: Option<usize>,
 }
 
+/// A block's queries, keys and values as rows of one buffer (the stacked q/k/v product): row `t`
+/// holds token t's queries, keys and values at their offsets (floats), `stride` floats apart.
+#[derive(Clone, Copy)]
+pub struct QkvRows<'b> {
+    pub buffer: &'b wgpu::Buffer,
+    pub stride: usize,
+    pub query: usize,
+    pub key: usize,
+    pub value: usize,
+    /// The queries, the keys still need their rotary embedding: the kernels apply it as they
+    /// read them.
+    pub rotate_query: bool,
+    pub rotate_key: bool,
+}
+
+/// What both attention kernels read: the step (block start), the block's q/k/v rows, the
+/// per-token rotary tables (`[tokens, head_dim / 2]`, attention factor applied) and the cache.
+pub struct AttentionInputs<'b> {
+    pub step: &'b wgpu::Buffer,
+    pub rows: QkvRows<'b>,
+    pub cos: &'b wgpu::Buffer,
+    pub sin: &'b wgpu::Buffer,
+    pub keys: &'b wgpu::Buffer,
+    pub values: &'b wgpu::Buffer,
+}
+
 impl AttentionShape {
-    fn params(&self, tokens: usize, groups_x: u32) -> Result<[u32; 8]> {
+    fn params(&self, tokens: usize, groups_x: u32, rows: &QkvRows) -> Result<[u32; 16]> {
         let scaling = (self.head_dim as f64).powf(-0.5) as f32;
         Ok([
             u32_of(self.num_heads, "heads")?,
@@ -505,6 +543,14 @@ impl AttentionShape {
             u32_of(self.window.unwrap_or(0), "window")?,
             scaling.to_bits(),
             groups_x,
+            u32_of(rows.stride, "row stride")?,
+            u32_of(rows.query, "query offset")?,
+            u32_of(rows.key, "key offset")?,
+            u32_of(rows.value, "value offset")?,
+            rows.rotate_query as u32,
+            rows.rotate_key as u32,
+            0,
+            0,
         ])
     }
 
@@ -518,21 +564,18 @@ impl AttentionShape {
     }
 }
 
-/// Writes `tokens` keys/values (`[tokens, kv_dim]`) at positions `step.start + t` of the cache.
-#[allow(clippy::too_many_arguments)]
+/// Writes `tokens` keys (rotated where they need it) and values at positions `step.start + t`
+/// of the cache.
 pub fn prepare_kv_store(
     ctx: &GpuContext,
     shape: AttentionShape,
     tokens: usize,
-    step: &wgpu::Buffer,
-    k_new: &wgpu::Buffer,
-    v_new: &wgpu::Buffer,
-    k_cache: &wgpu::Buffer,
-    v_cache: &wgpu::Buffer,
+    inputs: &AttentionInputs,
 ) -> Result<Dispatch> {
     let groups = ctx.flat_groups(tokens * shape.num_kv_heads * shape.head_dim, 64)?;
-    let buffers = [step, k_new, v_new, k_cache, v_cache];
-    let params = shape.params(tokens, groups[0])?;
+    let i = inputs;
+    let buffers = [i.step, i.rows.buffer, i.cos, i.sin, i.keys, i.values];
+    let params = shape.params(tokens, groups[0], &i.rows)?;
     ctx.prepare(
         "attention.wgsl",
         "store",
@@ -544,25 +587,31 @@ pub fn prepare_kv_store(
 }
 
 /// Attention of `tokens` queries at positions `step.start + t` over the cache, with sinks.
-#[allow(clippy::too_many_arguments)]
 pub fn prepare_attention(
     ctx: &GpuContext,
     shape: AttentionShape,
     tokens: usize,
-    step: &wgpu::Buffer,
-    q: &wgpu::Buffer,
-    k_cache: &wgpu::Buffer,
-    v_cache: &wgpu::Buffer,
+    inputs: &AttentionInputs,
     sinks: &wgpu::Buffer,
     out: &wgpu::Buffer,
 ) -> Result<Dispatch> {
-    let buffers = [step, q, k_cache, v_cache, sinks, out];
+    let i = inputs;
+    let buffers = [
+        i.step,
+        i.rows.buffer,
+        i.cos,
+        i.sin,
+        i.keys,
+        i.values,
+        sinks,
+        out,
+    ];
     let workgroups = [
         u32_of(tokens, "tokens")?,
         u32_of(shape.num_heads, "heads")?,
         1,
     ];
-    let params = shape.params(tokens, 0)?;
+    let params = shape.params(tokens, 0, &i.rows)?;
     ctx.prepare(
         "attention.wgsl",
         "attend",

@@ -10,7 +10,6 @@ use crate::error::{Error, Result};
 pub const SHADERS: &[(&str, &str)] = &[
     ("matmul.wgsl", include_str!("../../shaders/matmul.wgsl")),
     ("norm.wgsl", include_str!("../../shaders/norm.wgsl")),
-    ("rope.wgsl", include_str!("../../shaders/rope.wgsl")),
     (
         "attention.wgsl",
         include_str!("../../shaders/attention.wgsl"),

@@ -170,9 +170,8 @@ struct Activations {
     sin: wgpu::Buffer,
     hidden: wgpu::Buffer,
     normed: wgpu::Buffer,
-    q: wgpu::Buffer,
-    k: wgpu::Buffer,
-    v: wgpu::Buffer,
+    /// The stacked q/k/v product: each token's queries, keys and values in one row.
+    qkv: wgpu::Buffer,
     attention: wgpu::Buffer,
     projected: wgpu::Buffer,
     router_logits: wgpu::Buffer,
@@ -406,9 +405,7 @@ impl<'m> GpuModel<'m> {
             sin: zeroed("sin", f(b * cfg.head_dim / 2))?,
             hidden: zeroed("hidden", f(b * h))?,
             normed: zeroed("normed", f(b * h))?,
-            q: zeroed("q", f(b * cfg.q_dim()))?,
-            k: zeroed("k", f(b * cfg.kv_dim()))?,
-            v: zeroed("v", f(b * cfg.kv_dim()))?,
+            qkv: zeroed("qkv", f(b * (cfg.q_dim() + 2 * cfg.kv_dim())))?,
             attention: zeroed("attention", f(b * cfg.q_dim()))?,
             projected: zeroed("projected", f(b * h))?,
             router_logits: zeroed("router logits", f(b * cfg.num_experts))?,
@@ -696,10 +693,7 @@ impl<'m> GpuModel<'m> {
     /// Records the GPU's decoder layers over the block's residual stream into `tier`.
     fn record_layers<T: super::block::Tier<Act = plan::GpuAct>>(&self, tier: &mut T) -> Result<()> {
         let specs = &self.model.layer_specs;
-        let mut hidden = plan::GpuAct {
-            buffer: self.act.hidden.clone(),
-            width: self.config.hidden_size,
-        };
+        let mut hidden = plan::GpuAct::rows(&self.act.hidden, self.config.hidden_size);
         super::block::decoder_layers(tier, specs, 0..self.weights.layers.len(), &mut hidden)
     }
 

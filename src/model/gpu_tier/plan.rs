@@ -6,16 +6,44 @@ use super::{GpuModel, PlanStep, add, add_experts};
 use crate::arch::{Activation, AttentionSpec, ExpertSpec, Gating, RouterSpec};
 use crate::error::{Error, Result};
 use crate::gpu::kernels::{
-    AttentionShape, prepare_add, prepare_attention, prepare_combine, prepare_kv_store,
-    prepare_rms_norm, prepare_rope, prepare_route, prepare_swiglu,
+    AttentionInputs, AttentionShape, QkvRows, prepare_add, prepare_attention, prepare_combine,
+    prepare_kv_store, prepare_rms_norm, prepare_route, prepare_swiglu,
 };
 use crate::model::block::{Norm, Projection, Tier};
 
-/// An activation of a block on the GPU: a buffer holding `[positions, width]` values.
+/// An activation of a block on the GPU: `width` values per position, `stride` floats apart in
+/// `buffer` from `offset` on (the queries, keys and values share the rows of one product).
 #[derive(Clone)]
 pub struct GpuAct {
     pub buffer: wgpu::Buffer,
     pub width: usize,
+    pub offset: usize,
+    pub stride: usize,
+    /// The rotary embedding is still to be applied: the attention kernels apply it as they read.
+    pub rotate: bool,
+}
+
+impl GpuAct {
+    /// `[positions, width]` values packed in `buffer`.
+    pub fn rows(buffer: &wgpu::Buffer, width: usize) -> GpuAct {
+        GpuAct {
+            buffer: buffer.clone(),
+            width,
+            offset: 0,
+            stride: width,
+            rotate: false,
+        }
+    }
+
+    /// The buffer, for an op that reads packed rows with nothing pending.
+    fn packed(&self, op: &str) -> Result<&wgpu::Buffer> {
+        if self.offset != 0 || self.stride != self.width || self.rotate {
+            return Err(Error::Gpu(format!(
+                "{op}: the GPU tier reads this activation only in attention"
+            )));
+        }
+        Ok(&self.buffer)
+    }
 }
 
 /// A layer's routing on the GPU: each (position, slot)'s expert id and weight.
@@ -37,10 +65,7 @@ impl<'g, 'm> PlanRecorder<'g, 'm> {
     }
 
     fn act(buffer: &wgpu::Buffer, width: usize) -> GpuAct {
-        GpuAct {
-            buffer: buffer.clone(),
-            width,
-        }
+        GpuAct::rows(buffer, width)
     }
 }
 
@@ -59,7 +84,7 @@ impl Tier for PlanRecorder<'_, '_> {
         let eps = gpu.config.rms_norm_eps;
         let dispatch = prepare_rms_norm(
             &gpu.weights.ctx,
-            &x.buffer,
+            x.packed("rms_norm")?,
             weights,
             self.n,
             x.width,
@@ -70,6 +95,8 @@ impl Tier for PlanRecorder<'_, '_> {
         Ok(Self::act(&a.normed, x.width))
     }
 
+    /// q, k and v as one product of the stacked matrix (the acts are views of its rows), the
+    /// output projection on its own.
     fn project<const N: usize>(
         &mut self,
         layer: usize,
@@ -78,47 +105,59 @@ impl Tier for PlanRecorder<'_, '_> {
     ) -> Result<[GpuAct; N]> {
         let (gpu, a) = (self.gpu, &self.gpu.act);
         let w = &gpu.weights.layers[layer];
-        let mut outs = Vec::with_capacity(N);
-        for projection in projections {
-            let (matrix, bias, out) = match projection {
-                Projection::Query => (&w.q, &w.q_bias, &a.q),
-                Projection::Key => (&w.k, &w.k_bias, &a.k),
-                Projection::Value => (&w.v, &w.v_bias, &a.v),
-                Projection::Output => (&w.o, &w.o_bias, &a.projected),
-            };
-            if matrix.cols != x.width {
+        let (matrix, bias, out) = match projections.as_slice() {
+            [Projection::Query, Projection::Key, Projection::Value] => {
+                (&w.qkv, &w.qkv_bias, &a.qkv)
+            }
+            [Projection::Output] => (&w.o, &w.o_bias, &a.projected),
+            other => {
                 return Err(Error::Gpu(format!(
-                    "layer {layer} {projection:?}: {} inputs per position, the matrix takes {}",
-                    x.width, matrix.cols
+                    "layer {layer}: the GPU tier projects q, k and v together or the output alone, not {other:?}"
                 )));
             }
-            let dispatches = matrix.prepare(
-                &gpu.weights.ctx,
-                &x.buffer,
-                self.n,
-                bias.as_ref(),
-                out,
-                &a.dummy,
-            )?;
-            add(&mut self.steps, dispatches);
-            outs.push(Self::act(out, matrix.rows));
+        };
+        if matrix.cols != x.width {
+            return Err(Error::Gpu(format!(
+                "layer {layer} {projections:?}: {} inputs per position, the matrix takes {}",
+                x.width, matrix.cols
+            )));
         }
-        Ok(outs
-            .try_into()
-            .unwrap_or_else(|_| unreachable!("one output per projection")))
+        let dispatches = matrix.prepare(
+            &gpu.weights.ctx,
+            x.packed("project")?,
+            self.n,
+            bias.as_ref(),
+            out,
+            &a.dummy,
+        )?;
+        add(&mut self.steps, dispatches);
+        let widths: [usize; N] = match projections.as_slice() {
+            [Projection::Output] => [matrix.rows; N],
+            _ => std::array::from_fn(|i| w.qkv_rows[i]),
+        };
+        let mut offset = 0;
+        Ok(widths.map(|width| {
+            let act = GpuAct {
+                buffer: out.clone(),
+                width,
+                offset,
+                stride: matrix.rows,
+                rotate: false,
+            };
+            offset += width;
+            act
+        }))
     }
 
+    /// Recorded as pending: the attention kernels rotate queries and keys as they read them.
     fn rope(&mut self, x: &mut GpuAct, heads: usize) -> Result<()> {
-        let (gpu, a) = (self.gpu, &self.gpu.act);
-        let head_dim = x.width / heads;
-        let dispatch = prepare_rope(
-            &gpu.weights.ctx,
-            &x.buffer,
-            (self.n, heads, head_dim),
-            &a.cos,
-            &a.sin,
-        )?;
-        add(&mut self.steps, vec![dispatch]);
+        if x.rotate || heads == 0 || x.width % heads != 0 || (x.width / heads) % 2 != 0 {
+            return Err(Error::Gpu(format!(
+                "rope of {heads} heads over {} values (rotated already: {})",
+                x.width, x.rotate
+            )));
+        }
+        x.rotate = true;
         Ok(())
     }
 
@@ -140,20 +179,17 @@ impl Tier for PlanRecorder<'_, '_> {
             window: spec.window,
         };
         let sinks = &gpu.weights.layers[layer].sinks;
-        let (k, v) = (&keys.buffer, &values.buffer);
         let ctx = &gpu.weights.ctx;
-        let store = prepare_kv_store(ctx, shape, n, &a.step, k, v, &kv.keys, &kv.values)?;
-        let attend = prepare_attention(
-            ctx,
-            shape,
-            n,
-            &a.step,
-            &queries.buffer,
-            &kv.keys,
-            &kv.values,
-            sinks,
-            &a.attention,
-        )?;
+        let inputs = AttentionInputs {
+            step: &a.step,
+            rows: qkv_rows(queries, keys, values)?,
+            cos: &a.cos,
+            sin: &a.sin,
+            keys: &kv.keys,
+            values: &kv.values,
+        };
+        let store = prepare_kv_store(ctx, shape, n, &inputs)?;
+        let attend = prepare_attention(ctx, shape, n, &inputs, sinks, &a.attention)?;
         add(&mut self.steps, vec![store, attend]);
         Ok(Self::act(&a.attention, queries.width))
     }
@@ -161,8 +197,8 @@ impl Tier for PlanRecorder<'_, '_> {
     fn add(&mut self, into: &mut GpuAct, delta: &GpuAct) -> Result<()> {
         let dispatch = prepare_add(
             &self.gpu.weights.ctx,
-            &delta.buffer,
-            &into.buffer,
+            delta.packed("add")?,
+            into.packed("add")?,
             self.n * into.width,
         )?;
         add(&mut self.steps, vec![dispatch]);
@@ -176,7 +212,7 @@ impl Tier for PlanRecorder<'_, '_> {
         let logits = &a.router_logits;
         let product = w.router.prepare(
             &gpu.weights.ctx,
-            &x.buffer,
+            x.packed("route")?,
             n,
             Some(&w.router_bias),
             logits,
@@ -263,7 +299,7 @@ impl Tier for PlanRecorder<'_, '_> {
         let ctx = &gpu.weights.ctx;
         let dispatches = gate_up.prepare(
             ctx,
-            &x.buffer,
+            x.packed("experts")?,
             k,
             selector,
             pairs,
@@ -301,8 +337,31 @@ impl Tier for PlanRecorder<'_, '_> {
         let k = self.gpu.config.experts_per_token;
         let buffers = (&routing.ids, &routing.weights, &experts.buffer);
         let shape = (self.n, k, hidden.width);
-        let dispatch = prepare_combine(&self.gpu.weights.ctx, buffers, shape, &hidden.buffer)?;
+        let into = hidden.packed("combine")?;
+        let dispatch = prepare_combine(&self.gpu.weights.ctx, buffers, shape, into)?;
         add(&mut self.steps, vec![dispatch]);
         Ok(())
     }
+}
+
+/// The rows the attention kernels read: queries, keys and values must be views of one product.
+fn qkv_rows<'b>(queries: &'b GpuAct, keys: &GpuAct, values: &GpuAct) -> Result<QkvRows<'b>> {
+    let same_rows = [keys, values]
+        .iter()
+        .all(|act| act.buffer == queries.buffer && act.stride == queries.stride);
+    if !same_rows || values.rotate {
+        return Err(Error::Gpu(
+            "attention: queries, keys and values must be rows of one product, values unrotated"
+                .into(),
+        ));
+    }
+    Ok(QkvRows {
+        buffer: &queries.buffer,
+        stride: queries.stride,
+        query: queries.offset,
+        key: keys.offset,
+        value: values.offset,
+        rotate_query: queries.rotate,
+        rotate_key: keys.rotate,
+    })
 }

@@ -16,13 +16,12 @@ use crate::model::Model;
 pub(super) struct GpuLayer {
     pub input_norm: wgpu::Buffer,
     pub post_attention_norm: wgpu::Buffer,
-    pub q: GpuMatrix,
-    pub k: GpuMatrix,
-    pub v: GpuMatrix,
+    /// q, k and v stacked by rows: one product gives a token's queries, keys and values.
+    pub qkv: GpuMatrix,
+    /// Rows of q, k and v in `qkv`.
+    pub qkv_rows: [usize; 3],
+    pub qkv_bias: Option<wgpu::Buffer>,
     pub o: GpuMatrix,
-    pub q_bias: Option<wgpu::Buffer>,
-    pub k_bias: Option<wgpu::Buffer>,
-    pub v_bias: Option<wgpu::Buffer>,
     pub o_bias: Option<wgpu::Buffer>,
     pub sinks: wgpu::Buffer,
     pub router: GpuMatrix,
@@ -300,6 +299,31 @@ fn resident_layers(slots: usize, experts: usize) -> usize {
     slots.saturating_sub(experts) / experts.max(1)
 }
 
+/// q, k and v's biases stacked as their rows are, zeros standing in for a missing one; None when
+/// none has a bias.
+fn stacked_bias(
+    ctx: &GpuContext,
+    name: &str,
+    w: &crate::weights::LayerWeights,
+) -> Result<Option<wgpu::Buffer>> {
+    let parts = [
+        (&w.q_bias, w.q.rows),
+        (&w.k_bias, w.k.rows),
+        (&w.v_bias, w.v.rows),
+    ];
+    if parts.iter().all(|(bias, _)| bias.is_none()) {
+        return Ok(None);
+    }
+    let mut stacked = Vec::new();
+    for (bias, rows) in parts {
+        match bias {
+            Some(values) => stacked.extend_from_slice(values),
+            None => stacked.resize(stacked.len() + rows, 0.0),
+        }
+    }
+    f32s(ctx, name, &stacked).map(Some)
+}
+
 /// Uploads layer `l`'s dense weights (its experts come later).
 fn upload_layer(ctx: &GpuContext, l: usize, w: &crate::weights::LayerWeights) -> Result<GpuLayer> {
     let name = |s: &str| format!("layer {l} {s}");
@@ -308,13 +332,10 @@ fn upload_layer(ctx: &GpuContext, l: usize, w: &crate::weights::LayerWeights) ->
     Ok(GpuLayer {
         input_norm: f32s(ctx, &name("input norm"), &w.input_norm)?,
         post_attention_norm: f32s(ctx, &name("post norm"), &w.post_attention_norm)?,
-        q: GpuMatrix::upload(ctx, &name("q"), &w.q)?,
-        k: GpuMatrix::upload(ctx, &name("k"), &w.k)?,
-        v: GpuMatrix::upload(ctx, &name("v"), &w.v)?,
+        qkv: GpuMatrix::upload_stacked(ctx, &name("q/k/v"), &[&w.q, &w.k, &w.v])?,
+        qkv_rows: [w.q.rows, w.k.rows, w.v.rows],
+        qkv_bias: stacked_bias(ctx, &name("q/k/v bias"), w)?,
         o: GpuMatrix::upload(ctx, &name("o"), &w.o)?,
-        q_bias: optional(&w.q_bias, "q bias")?,
-        k_bias: optional(&w.k_bias, "k bias")?,
-        v_bias: optional(&w.v_bias, "v bias")?,
         o_bias: optional(&w.o_bias, "o bias")?,
         sinks: f32s(ctx, &name("sinks"), &w.sinks)?,
         router: GpuMatrix::upload(ctx, &name("router"), &w.router)?,
