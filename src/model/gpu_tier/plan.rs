@@ -151,7 +151,7 @@ impl Tier for PlanRecorder<'_, '_> {
 
     /// Recorded as pending: the attention kernels rotate queries and keys as they read them.
     fn rope(&mut self, x: &mut GpuAct, heads: usize) -> Result<()> {
-        if x.rotate || heads == 0 || x.width % heads != 0 || (x.width / heads) % 2 != 0 {
+        if x.rotate || heads == 0 || !x.width.is_multiple_of(2 * heads) {
             return Err(Error::Gpu(format!(
                 "rope of {heads} heads over {} values (rotated already: {})",
                 x.width, x.rotate
