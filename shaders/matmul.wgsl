@@ -1,7 +1,8 @@
 // Matrix-vector / matrix-matrix products with f32 accumulation, one workgroup per output row.
 //
 // Entry `dense`: y[t][row_offset + r] = W[r] . x[t] + bias[row_offset + r] for a chunk of rows of a
-//   dense [out, in] matrix stored as bf16 (BF16), f16 (F16) or f32 (F32) words.
+//   dense [out, in] matrix stored as bf16 (BF16), f16 (F16) or f32 (F32) words; with `accumulate`,
+//   y[t][row_offset + r] += that instead (the output projection adds into the residual).
 // Entry `dense_rows` (DENSE_ROWS, BF16 or F16, `in` a multiple of 8): the same, ROWS rows per
 //   workgroup, each read by WG / ROWS lanes in 16-byte words (8 values), so that neighbouring
 //   lanes read neighbouring words and no load is half wasted.
@@ -27,7 +28,7 @@ struct Params {
     expert_count: u32,
     x_div: u32,         // x row of pair p is p / x_div
     pairs: u32,
-    pad: u32,
+    accumulate: u32,    // dense: add the row into y instead of storing it
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -76,7 +77,11 @@ fn write_dense_row(t: u32, r: u32, total: f32) {
     if (p.has_bias == 1u) {
         v = v + bias[row];
     }
-    y[t * p.out_stride + row] = v;
+    let at = t * p.out_stride + row;
+    if (p.accumulate == 1u) {
+        v = y[at] + v;
+    }
+    y[at] = v;
 }
 
 // Element i of a float weight array (one of BF16, F16, F32 is defined for float weights).

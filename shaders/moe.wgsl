@@ -1,7 +1,6 @@
-// Mixture-of-experts glue around the expert matmuls (matmul.wgsl `experts`).
+// Mixture-of-experts glue around the expert matmuls (matmul.wgsl `experts`); the router is
+// router.wgsl.
 //
-// Entry `route`: per token, top-k of the router logits (descending, ties to the lower id) and a
-//   softmax over the k selected: ids[t * k + s], weights[t * k + s].
 // Entry `swiglu`: act[p][i] = (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g), g = min(gate, l),
 //   over interleaved gate/up rows [p][2i], [p][2i + 1].
 // Entry `combine`: hidden[t] += sum over the token's experts, in ascending expert id (the order
@@ -19,51 +18,6 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-
-#if ROUTE
-@group(0) @binding(1) var<storage, read> logits: array<f32>;
-@group(0) @binding(2) var<storage, read_write> ids: array<u32>;
-@group(0) @binding(3) var<storage, read_write> weights: array<f32>;
-
-@compute @workgroup_size(64)
-fn route(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let t = gid.x + gid.y * p.groups_x * 64u;
-    if (t >= p.tokens) {
-        return;
-    }
-    let base = t * p.experts;
-    // Selection: the s-th pick is the best logit strictly below the previous pick (or equal with
-    // a higher id), which reproduces a stable descending sort.
-    var previous_value = 3.0e38;
-    var previous_id = 0xffffffffu;
-    for (var s = 0u; s < p.top_k; s = s + 1u) {
-        var best_id = 0xffffffffu;
-        var best_value = -3.0e38;
-        for (var e = 0u; e < p.experts; e = e + 1u) {
-            let v = logits[base + e];
-            let after_previous = v < previous_value || (v == previous_value && (previous_id == 0xffffffffu || e > previous_id));
-            if (after_previous && (best_id == 0xffffffffu || v > best_value)) {
-                best_value = v;
-                best_id = e;
-            }
-        }
-        ids[t * p.top_k + s] = best_id;
-        weights[t * p.top_k + s] = best_value;
-        previous_value = best_value;
-        previous_id = best_id;
-    }
-    let max_value = weights[t * p.top_k];
-    var sum = 0.0;
-    for (var s = 0u; s < p.top_k; s = s + 1u) {
-        let e = exp(weights[t * p.top_k + s] - max_value);
-        weights[t * p.top_k + s] = e;
-        sum = sum + e;
-    }
-    for (var s = 0u; s < p.top_k; s = s + 1u) {
-        weights[t * p.top_k + s] = weights[t * p.top_k + s] / sum;
-    }
-}
-#endif
 
 #if SWIGLU
 @group(0) @binding(1) var<storage, read> gate_up: array<f32>;

@@ -41,7 +41,16 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
             &["ATTEND", "MAX_HEAD_DIM=256"],
         ],
     ),
-    ("moe.wgsl", &[&["ROUTE"], &["SWIGLU"], &["COMBINE"]]),
+    ("moe.wgsl", &[&["SWIGLU"], &["COMBINE"]]),
+    (
+        "router.wgsl",
+        &[
+            &[],
+            &["NORMED", "BF16"],
+            &["NORMED", "F16"],
+            &["NORMED", "F32"],
+        ],
+    ),
     ("bandwidth.wgsl", &[&[]]),
     (
         "elementwise.wgsl",
@@ -591,6 +600,136 @@ fn router_top_k_matches_cpu() {
             rtol,
         );
     }
+}
+
+/// The output projection's variant: `y += W x + bias` (into the residual stream), split over
+/// bindings as well.
+#[test]
+fn dense_matmul_accumulates_into_its_output() {
+    use picchio::gpu::kernels::Output;
+    for binding_limit in [None, Some(2048)] {
+        let Some(ctx) = gpu(binding_limit) else {
+            return;
+        };
+        for (format, (rows, cols, tokens)) in [
+            (FloatFormat::Bf16, (131, 72, 2)),
+            (FloatFormat::F32, (7, 33, 1)),
+            (FloatFormat::F16, (64, 96, 3)),
+        ] {
+            let m = dense_matrix(rows, cols, format, 77);
+            let (x, bias, start) = (
+                values(tokens * cols, 5),
+                values(rows, 9),
+                values(tokens * rows, 4),
+            );
+            let mut product = vec![0f32; tokens * rows];
+            cpu::matmul::dense_matmul(&m, &x, Some(&bias), &mut product);
+            let want: Vec<f32> = start.iter().zip(&product).map(|(s, p)| s + p).collect();
+            let gm = GpuMatrix::upload(&ctx, "o", &m).unwrap();
+            let [xb, bb, yb] = [&x, &bias, &start].map(|v| ctx.upload_f32("buffer", v));
+            let dummy = ctx.zeroed("dummy", 4).unwrap();
+            let dispatches = gm
+                .prepare_product(
+                    &ctx,
+                    (&xb, tokens),
+                    Some(&bb),
+                    (&yb, Output::Accumulate),
+                    &dummy,
+                )
+                .unwrap();
+            ctx.run(&dispatches.iter().collect::<Vec<_>>()).unwrap();
+            let got = ctx.read_f32(&yb, tokens * rows).unwrap();
+            let (atol, rtol) = DENSE_TOLERANCE;
+            let what = format!(
+                "accumulate {format:?} {rows}x{cols} x{tokens} ({} chunks)",
+                gm.chunks.len()
+            );
+            assert_close(&what, &got, &want, atol, rtol);
+        }
+    }
+}
+
+/// The router in one kernel (norm, product, top-k) against the CPU tier's three ops; with the
+/// router split over bindings it declines, and the caller runs the three kernels.
+#[test]
+fn router_with_its_norm_matches_cpu() {
+    use picchio::gpu::kernels::{RouterWeights, RoutingBuffers, prepare_route_normed};
+    let Some(ctx) = gpu(None) else { return };
+    let cases = [
+        (1, 32, 2880, 4, FloatFormat::Bf16), // GPT-OSS decode
+        (3, 13, 40, 6, FloatFormat::F32),    // a partial tile of router rows
+        (2, 128, 64, 8, FloatFormat::F16),   // many experts
+    ];
+    for (tokens, experts, cols, k, format) in cases {
+        let x: Vec<f32> = values(tokens * cols, 1).iter().map(|v| v * 3.0).collect();
+        let norm: Vec<f32> = values(cols, 2).iter().map(|v| 1.0 + 0.1 * v).collect();
+        let m = dense_matrix(experts, cols, format, 41);
+        let bias = values(experts, 42);
+        let mut want_normed = vec![0f32; tokens * cols];
+        cpu::norm::rms_norm(&x, &norm, 1e-5, &mut want_normed);
+        let mut want_logits = vec![0f32; tokens * experts];
+        cpu::matmul::dense_matmul(&m, &want_normed, Some(&bias), &mut want_logits);
+        let (mut want_ids, mut want_weights) = (Vec::new(), Vec::new());
+        for row in want_logits.chunks(experts) {
+            let r = cpu::moe::route(row, k);
+            want_ids.extend(r.experts.iter().map(|e| *e as u32));
+            want_weights.extend(r.weights);
+        }
+
+        let gm = GpuMatrix::upload(&ctx, "router", &m).unwrap();
+        let [xb, nb, bb] = [&x, &norm, &bias].map(|v| ctx.upload_f32("buffer", v));
+        let zeroed = |floats: usize| ctx.zeroed("out", (floats * 4) as u64).unwrap();
+        let (normed, logits) = (zeroed(tokens * cols), zeroed(tokens * experts));
+        let (ids, weights) = (zeroed(tokens * k), zeroed(tokens * k));
+        let router = RouterWeights {
+            matrix: &gm,
+            bias: &bb,
+            top_k: k,
+        };
+        let out = RoutingBuffers {
+            logits: &logits,
+            ids: &ids,
+            weights: &weights,
+        };
+        let d = prepare_route_normed(&ctx, (&xb, tokens), (&nb, 1e-5), &normed, &router, &out)
+            .unwrap()
+            .expect("the router fits one binding");
+        ctx.run(&[&d]).unwrap();
+        let what = format!("router {tokens}x{cols} -> {experts} top-{k} {format:?}");
+        let (atol, rtol) = NORM_TOLERANCE;
+        let got = ctx.read_f32(&normed, tokens * cols).unwrap();
+        assert_close(&format!("{what} normed"), &got, &want_normed, atol, rtol);
+        let (atol, rtol) = DENSE_TOLERANCE;
+        let got = ctx.read_f32(&logits, tokens * experts).unwrap();
+        let c = assert_close(&format!("{what} logits"), &got, &want_logits, atol, rtol);
+        let got: Vec<u32> =
+            bytemuck::pod_collect_to_vec(&ctx.read_back(&ids, (tokens * k * 4) as u64).unwrap());
+        assert_eq!(got, want_ids, "{what} ids");
+        let (atol, rtol) = ROUTER_WEIGHT_TOLERANCE;
+        let got = ctx.read_f32(&weights, tokens * k).unwrap();
+        assert_close(&format!("{what} weights"), &got, &want_weights, atol, rtol);
+        eprintln!("{what}: logits max |error| {:e}", c.max_abs_error);
+    }
+    let Some(small) = gpu(Some(2048)) else { return };
+    let m = dense_matrix(32, 64, FloatFormat::Bf16, 41);
+    let gm = GpuMatrix::upload(&small, "router", &m).unwrap();
+    let b = small.zeroed("b", 32 * 4).unwrap();
+    let router = RouterWeights {
+        matrix: &gm,
+        bias: &b,
+        top_k: 4,
+    };
+    let out = RoutingBuffers {
+        logits: &b,
+        ids: &b,
+        weights: &b,
+    };
+    let fused = prepare_route_normed(&small, (&b, 1), (&b, 1e-5), &b, &router, &out).unwrap();
+    assert!(
+        fused.is_none(),
+        "a router over {} bindings is not fused",
+        gm.chunks.len()
+    );
 }
 
 #[test]

@@ -121,6 +121,14 @@ fn split(
         .collect())
 }
 
+/// What a product does with its output buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Output {
+    Store,
+    /// Adds to what is there (the output projection into the residual stream).
+    Accumulate,
+}
+
 /// Values in one 16-byte word of bf16/f16 weights (`dense_rows` needs whole words per row).
 const DENSE_WORD_VALUES: usize = 8;
 /// Rows one `dense_rows` workgroup computes (`ROWS` in matmul.wgsl).
@@ -186,6 +194,18 @@ impl GpuMatrix {
         y: &wgpu::Buffer,
         dummy: &wgpu::Buffer,
     ) -> Result<Vec<Dispatch>> {
+        self.prepare_product(ctx, (x, tokens), bias, (y, Output::Store), dummy)
+    }
+
+    /// As `prepare`, with `y[t][r] += W[r] . x[t] + bias[r]` where `output` says so.
+    pub fn prepare_product(
+        &self,
+        ctx: &GpuContext,
+        (x, tokens): (&wgpu::Buffer, usize),
+        bias: Option<&wgpu::Buffer>,
+        (y, output): (&wgpu::Buffer, Output),
+        dummy: &wgpu::Buffer,
+    ) -> Result<Vec<Dispatch>> {
         let format = format_define(self.format);
         // Half-precision rows of whole 16-byte words: several rows per workgroup, vector loads.
         let by_words =
@@ -212,7 +232,7 @@ impl GpuMatrix {
                     0,
                     1,
                     0,
-                    0,
+                    (output == Output::Accumulate) as u32,
                 ];
                 let buffers = [buffer, x, bias.unwrap_or(dummy), y];
                 ctx.prepare(
@@ -640,6 +660,24 @@ fn moe_params(
     ])
 }
 
+/// The router kernels' parameters: (tokens, experts, top_k, cols), eps, groups_x.
+fn router_params(
+    (tokens, experts, top_k, cols): (usize, usize, usize, usize),
+    eps: f32,
+    groups_x: u32,
+) -> Result<[u32; 8]> {
+    Ok([
+        u32_of(tokens, "tokens")?,
+        u32_of(experts, "experts")?,
+        u32_of(top_k, "top_k")?,
+        u32_of(cols, "cols")?,
+        eps.to_bits(),
+        groups_x,
+        0,
+        0,
+    ])
+}
+
 /// Top-k of `[tokens, experts]` router logits and a softmax over the k: `ids`, `weights`.
 pub fn prepare_route(
     ctx: &GpuContext,
@@ -649,16 +687,72 @@ pub fn prepare_route(
     weights: &wgpu::Buffer,
 ) -> Result<Dispatch> {
     let groups = ctx.flat_groups(tokens, 64)?;
-    let params = moe_params((tokens, experts, top_k, 0), (0.0, 0.0), groups[0])?;
-    let defines = [("ROUTE", "1".to_string())];
+    let params = router_params((tokens, experts, top_k, 0), 0.0, groups[0])?;
     ctx.prepare(
-        "moe.wgsl",
+        "router.wgsl",
         "route",
-        &defines,
+        &[],
         &params,
         &[logits, ids, weights],
         groups,
     )
+}
+
+/// A router on the GPU: its product and bias, and top-k.
+pub struct RouterWeights<'b> {
+    pub matrix: &'b GpuMatrix,
+    pub bias: &'b wgpu::Buffer,
+    pub top_k: usize,
+}
+
+/// The routing's outputs: the logits, then each (token, slot)'s expert id and weight.
+pub struct RoutingBuffers<'b> {
+    pub logits: &'b wgpu::Buffer,
+    pub ids: &'b wgpu::Buffer,
+    pub weights: &'b wgpu::Buffer,
+}
+
+/// RMSNorm of `tokens` residual rows of `x` into `normed` (with `norm_weight` and `eps`), the
+/// router's product of them and its top-k, in one dispatch (one workgroup per token). None when
+/// the router's weights span several bindings: the caller runs the three kernels.
+#[allow(clippy::too_many_arguments)]
+pub fn prepare_route_normed(
+    ctx: &GpuContext,
+    (x, tokens): (&wgpu::Buffer, usize),
+    (norm_weight, eps): (&wgpu::Buffer, f32),
+    normed: &wgpu::Buffer,
+    router: &RouterWeights,
+    out: &RoutingBuffers,
+) -> Result<Option<Dispatch>> {
+    let [(_, _, weights)] = router.matrix.chunks.as_slice() else {
+        return Ok(None);
+    };
+    let shape = (tokens, router.matrix.rows, router.top_k, router.matrix.cols);
+    let params = router_params(shape, eps, 0)?;
+    let defines = [
+        ("NORMED", "1".to_string()),
+        (format_define(router.matrix.format), "1".to_string()),
+    ];
+    let buffers = [
+        out.logits,
+        out.ids,
+        out.weights,
+        x,
+        norm_weight,
+        normed,
+        weights,
+        router.bias,
+    ];
+    let groups = [u32_of(tokens, "tokens")?, 1, 1];
+    ctx.prepare(
+        "router.wgsl",
+        "route_normed",
+        &defines,
+        &params,
+        &buffers,
+        groups,
+    )
+    .map(Some)
 }
 
 /// Clamped SwiGLU of `rows` interleaved gate/up rows of `2 * width` into `[rows, width]`.

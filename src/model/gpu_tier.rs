@@ -620,7 +620,7 @@ impl<'m> GpuModel<'m> {
         );
         let mut recorder = plan::PlanRecorder::new(self, n, steps);
         self.record_layers(&mut recorder)?;
-        let mut steps = recorder.steps;
+        let mut steps = recorder.finish()?;
         if let Some(output) = head {
             steps.push(PlanStep::Copy {
                 from: a.hidden.clone(),

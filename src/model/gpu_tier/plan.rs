@@ -6,8 +6,9 @@ use super::{GpuModel, PlanStep, add, add_experts};
 use crate::arch::{Activation, AttentionSpec, ExpertSpec, Gating, RouterSpec};
 use crate::error::{Error, Result};
 use crate::gpu::kernels::{
-    AttentionInputs, AttentionShape, QkvRows, prepare_add, prepare_attention, prepare_combine,
-    prepare_kv_store, prepare_rms_norm, prepare_route, prepare_swiglu,
+    AttentionInputs, AttentionShape, Output, QkvRows, RouterWeights, RoutingBuffers, prepare_add,
+    prepare_attention, prepare_combine, prepare_kv_store, prepare_rms_norm, prepare_route,
+    prepare_route_normed, prepare_swiglu,
 };
 use crate::model::block::{Norm, Projection, Tier};
 
@@ -52,16 +53,84 @@ pub struct GpuRouting {
     weights: wgpu::Buffer,
 }
 
+/// An op held back so that the op after it can take it into its own kernel (llama.cpp's graph
+/// fusions): every other op records it first.
+enum Deferred {
+    /// The output projection of `x`: an `add` of it into the residual accumulates it in place.
+    Output { layer: usize, x: GpuAct },
+    /// RMSNorm of `x`: a `route` of it computes it in the router's kernel.
+    Norm { layer: usize, norm: Norm, x: GpuAct },
+}
+
 /// Records a block of `n` positions into plan steps.
 pub struct PlanRecorder<'g, 'm> {
     gpu: &'g GpuModel<'m>,
     n: usize,
-    pub steps: Vec<PlanStep>,
+    steps: Vec<PlanStep>,
+    deferred: Option<Deferred>,
 }
 
 impl<'g, 'm> PlanRecorder<'g, 'm> {
     pub fn new(gpu: &'g GpuModel<'m>, n: usize, steps: Vec<PlanStep>) -> Self {
-        PlanRecorder { gpu, n, steps }
+        PlanRecorder {
+            gpu,
+            n,
+            steps,
+            deferred: None,
+        }
+    }
+
+    /// The steps recorded, a deferred op included.
+    pub fn finish(mut self) -> Result<Vec<PlanStep>> {
+        self.flush()?;
+        Ok(self.steps)
+    }
+
+    /// Records the deferred op, if any, as it would have been recorded at once.
+    fn flush(&mut self) -> Result<()> {
+        match self.deferred.take() {
+            None => Ok(()),
+            Some(Deferred::Output { layer, x }) => {
+                let out = self.gpu.act.projected.clone();
+                self.record_output(layer, &x, (&out, Output::Store))
+            }
+            Some(Deferred::Norm { layer, norm, x }) => self.record_norm(layer, norm, &x),
+        }
+    }
+
+    fn norm_weights(&self, layer: usize, norm: Norm) -> &wgpu::Buffer {
+        let w = &self.gpu.weights.layers[layer];
+        match norm {
+            Norm::Input => &w.input_norm,
+            Norm::PostAttention => &w.post_attention_norm,
+        }
+    }
+
+    fn record_norm(&mut self, layer: usize, norm: Norm, x: &GpuAct) -> Result<()> {
+        let (gpu, a) = (self.gpu, &self.gpu.act);
+        let eps = gpu.config.rms_norm_eps;
+        let weights = self.norm_weights(layer, norm);
+        let (input, n) = (x.packed("rms_norm")?, self.n);
+        let dispatch =
+            prepare_rms_norm(&gpu.weights.ctx, input, weights, n, x.width, eps, &a.normed)?;
+        add(&mut self.steps, vec![dispatch]);
+        Ok(())
+    }
+
+    /// The output projection of `x` into `out`, stored or added to what `out` holds.
+    fn record_output(
+        &mut self,
+        layer: usize,
+        x: &GpuAct,
+        out: (&wgpu::Buffer, Output),
+    ) -> Result<()> {
+        let (gpu, a) = (self.gpu, &self.gpu.act);
+        let w = &gpu.weights.layers[layer];
+        let input = (x.packed("project")?, self.n);
+        let dispatches =
+            w.o.prepare_product(&gpu.weights.ctx, input, w.o_bias.as_ref(), out, &a.dummy)?;
+        add(&mut self.steps, dispatches);
+        Ok(())
     }
 
     fn act(buffer: &wgpu::Buffer, width: usize) -> GpuAct {
@@ -74,35 +143,27 @@ impl Tier for PlanRecorder<'_, '_> {
     type Routing = GpuRouting;
     type Experts = GpuAct;
 
+    /// Deferred: the router may compute it in its own kernel.
     fn rms_norm(&mut self, layer: usize, norm: Norm, x: &GpuAct) -> Result<GpuAct> {
-        let (gpu, a) = (self.gpu, &self.gpu.act);
-        let w = &gpu.weights.layers[layer];
-        let weights = match norm {
-            Norm::Input => &w.input_norm,
-            Norm::PostAttention => &w.post_attention_norm,
-        };
-        let eps = gpu.config.rms_norm_eps;
-        let dispatch = prepare_rms_norm(
-            &gpu.weights.ctx,
-            x.packed("rms_norm")?,
-            weights,
-            self.n,
-            x.width,
-            eps,
-            &a.normed,
-        )?;
-        add(&mut self.steps, vec![dispatch]);
-        Ok(Self::act(&a.normed, x.width))
+        self.flush()?;
+        x.packed("rms_norm")?;
+        self.deferred = Some(Deferred::Norm {
+            layer,
+            norm,
+            x: x.clone(),
+        });
+        Ok(Self::act(&self.gpu.act.normed, x.width))
     }
 
-    /// q, k and v as one product of the stacked matrix (the acts are views of its rows), the
-    /// output projection on its own.
+    /// q, k and v as one product of the stacked matrix (the acts are views of its rows); the
+    /// output projection deferred, for an `add` into the residual to accumulate in place.
     fn project<const N: usize>(
         &mut self,
         layer: usize,
         projections: [Projection; N],
         x: &GpuAct,
     ) -> Result<[GpuAct; N]> {
+        self.flush()?;
         let (gpu, a) = (self.gpu, &self.gpu.act);
         let w = &gpu.weights.layers[layer];
         let (matrix, bias, out) = match projections.as_slice() {
@@ -122,15 +183,23 @@ impl Tier for PlanRecorder<'_, '_> {
                 x.width, matrix.cols
             )));
         }
-        let dispatches = matrix.prepare(
-            &gpu.weights.ctx,
-            x.packed("project")?,
-            self.n,
-            bias.as_ref(),
-            out,
-            &a.dummy,
-        )?;
-        add(&mut self.steps, dispatches);
+        if let [Projection::Output] = projections.as_slice() {
+            x.packed("project")?;
+            self.deferred = Some(Deferred::Output {
+                layer,
+                x: x.clone(),
+            });
+        } else {
+            let dispatches = matrix.prepare(
+                &gpu.weights.ctx,
+                x.packed("project")?,
+                self.n,
+                bias.as_ref(),
+                out,
+                &a.dummy,
+            )?;
+            add(&mut self.steps, dispatches);
+        }
         let widths: [usize; N] = match projections.as_slice() {
             [Projection::Output] => [matrix.rows; N],
             _ => std::array::from_fn(|i| w.qkv_rows[i]),
@@ -151,6 +220,7 @@ impl Tier for PlanRecorder<'_, '_> {
 
     /// Recorded as pending: the attention kernels rotate queries and keys as they read them.
     fn rope(&mut self, x: &mut GpuAct, heads: usize) -> Result<()> {
+        self.flush()?;
         if x.rotate || heads == 0 || !x.width.is_multiple_of(2 * heads) {
             return Err(Error::Gpu(format!(
                 "rope of {heads} heads over {} values (rotated already: {})",
@@ -169,6 +239,7 @@ impl Tier for PlanRecorder<'_, '_> {
         keys: &GpuAct,
         values: &GpuAct,
     ) -> Result<GpuAct> {
+        self.flush()?;
         let (gpu, a, n) = (self.gpu, &self.gpu.act, self.n);
         let kv = &gpu.kv[layer];
         let shape = AttentionShape {
@@ -194,7 +265,16 @@ impl Tier for PlanRecorder<'_, '_> {
         Ok(Self::act(&a.attention, queries.width))
     }
 
+    /// The deferred output projection, when `delta` is it, accumulates into `into` in place.
     fn add(&mut self, into: &mut GpuAct, delta: &GpuAct) -> Result<()> {
+        if let Some(Deferred::Output { layer, x }) = &self.deferred
+            && delta.buffer == self.gpu.act.projected
+        {
+            let (layer, x) = (*layer, x.clone());
+            self.deferred = None;
+            return self.record_output(layer, &x, (into.packed("add")?, Output::Accumulate));
+        }
+        self.flush()?;
         let dispatch = prepare_add(
             &self.gpu.weights.ctx,
             delta.packed("add")?,
@@ -205,29 +285,53 @@ impl Tier for PlanRecorder<'_, '_> {
         Ok(())
     }
 
+    /// One kernel for the deferred norm, when `x` is its output, the router and its top-k (where
+    /// the router fits one binding), else the three kernels.
     fn route(&mut self, layer: usize, spec: &RouterSpec, x: &GpuAct) -> Result<GpuRouting> {
         let (gpu, a, n) = (self.gpu, &self.gpu.act, self.n);
         let Gating::TopKThenSoftmax = spec.gating;
         let w = &gpu.weights.layers[layer];
-        let logits = &a.router_logits;
-        let product = w.router.prepare(
-            &gpu.weights.ctx,
-            x.packed("route")?,
-            n,
-            Some(&w.router_bias),
-            logits,
-            &a.dummy,
-        )?;
-        add(&mut self.steps, product);
-        let shape = (n, spec.experts, spec.top_k);
-        let route = prepare_route(
-            &gpu.weights.ctx,
-            logits,
-            shape,
-            &a.expert_ids,
-            &a.expert_weights,
-        )?;
-        add(&mut self.steps, vec![route]);
+        let router = RouterWeights {
+            matrix: &w.router,
+            bias: &w.router_bias,
+            top_k: spec.top_k,
+        };
+        let out = RoutingBuffers {
+            logits: &a.router_logits,
+            ids: &a.expert_ids,
+            weights: &a.expert_weights,
+        };
+        let fused = match &self.deferred {
+            Some(Deferred::Norm {
+                layer,
+                norm,
+                x: residual,
+            }) if x.buffer == a.normed => {
+                let input = (residual.packed("route")?, n);
+                let norm = (self.norm_weights(*layer, *norm), gpu.config.rms_norm_eps);
+                let ctx = &gpu.weights.ctx;
+                prepare_route_normed(ctx, input, norm, &a.normed, &router, &out)?
+            }
+            _ => None,
+        };
+        if let Some(dispatch) = fused {
+            self.deferred = None;
+            add(&mut self.steps, vec![dispatch]);
+        } else {
+            self.flush()?;
+            let product = w.router.prepare(
+                &gpu.weights.ctx,
+                x.packed("route")?,
+                n,
+                Some(&w.router_bias),
+                out.logits,
+                &a.dummy,
+            )?;
+            add(&mut self.steps, product);
+            let shape = (n, spec.experts, spec.top_k);
+            let route = prepare_route(&gpu.weights.ctx, out.logits, shape, out.ids, out.weights)?;
+            add(&mut self.steps, vec![route]);
+        }
         if let Some(trace) = &a.routing_trace {
             let bytes = (n * spec.top_k * 4) as u64;
             self.steps.push(PlanStep::Copy {
@@ -253,6 +357,7 @@ impl Tier for PlanRecorder<'_, '_> {
         x: &GpuAct,
         routing: &GpuRouting,
     ) -> Result<GpuAct> {
+        self.flush()?;
         let (gpu, a, n) = (self.gpu, &self.gpu.act, self.n);
         let Activation::ClampedSwiglu { alpha, limit } = spec.activation;
         let k = gpu.config.experts_per_token;
@@ -334,6 +439,7 @@ impl Tier for PlanRecorder<'_, '_> {
         routing: &GpuRouting,
         experts: GpuAct,
     ) -> Result<()> {
+        self.flush()?;
         let k = self.gpu.config.experts_per_token;
         let buffers = (&routing.ids, &routing.weights, &experts.buffer);
         let shape = (self.n, k, hidden.width);

@@ -1,0 +1,163 @@
+// The router: the experts each token goes to, and their weights.
+//
+// Entry `route`: per token, top-k of the router logits (descending, ties to the lower id) and a
+//   softmax over the k selected: ids[t * k + s], weights[t * k + s].
+// Entry `route_normed` (NORMED, with BF16, F16 or F32 naming the router's weights): the whole
+//   router of a token in one workgroup: RMSNorm of its residual row (written to `normed`, which
+//   the experts read; the same arithmetic as norm.wgsl), the router product with its bias into
+//   `logits`, then `route`'s top-k and softmax. One dispatch instead of three; the router's
+//   weights are small (experts x hidden), so one workgroup per token reads them fast enough.
+
+const WG: u32 = 64u;
+// Router rows one pass over the normed row computes (each lane keeps one partial sum per row).
+const TILE: u32 = 8u;
+
+struct Params {
+    tokens: u32,
+    experts: u32,       // router logits per token
+    top_k: u32,
+    cols: u32,          // hidden size (route_normed)
+    eps: f32,
+    groups_x: u32,      // workgroups along x of `route` (index = x + y * groups_x * 64)
+    pad0: u32,
+    pad1: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+#if NORMED
+@group(0) @binding(1) var<storage, read_write> logits: array<f32>;
+#else
+@group(0) @binding(1) var<storage, read> logits: array<f32>;
+#endif
+@group(0) @binding(2) var<storage, read_write> ids: array<u32>;
+@group(0) @binding(3) var<storage, read_write> weights: array<f32>;
+
+// Token t's top-k and softmax from its logits.
+fn select_top_k(t: u32) {
+    let base = t * p.experts;
+    // Selection: the s-th pick is the best logit strictly below the previous pick (or equal with
+    // a higher id), which reproduces a stable descending sort.
+    var previous_value = 3.0e38;
+    var previous_id = 0xffffffffu;
+    for (var s = 0u; s < p.top_k; s = s + 1u) {
+        var best_id = 0xffffffffu;
+        var best_value = -3.0e38;
+        for (var e = 0u; e < p.experts; e = e + 1u) {
+            let v = logits[base + e];
+            let after_previous = v < previous_value || (v == previous_value && (previous_id == 0xffffffffu || e > previous_id));
+            if (after_previous && (best_id == 0xffffffffu || v > best_value)) {
+                best_value = v;
+                best_id = e;
+            }
+        }
+        ids[t * p.top_k + s] = best_id;
+        weights[t * p.top_k + s] = best_value;
+        previous_value = best_value;
+        previous_id = best_id;
+    }
+    let max_value = weights[t * p.top_k];
+    var sum = 0.0;
+    for (var s = 0u; s < p.top_k; s = s + 1u) {
+        let e = exp(weights[t * p.top_k + s] - max_value);
+        weights[t * p.top_k + s] = e;
+        sum = sum + e;
+    }
+    for (var s = 0u; s < p.top_k; s = s + 1u) {
+        weights[t * p.top_k + s] = weights[t * p.top_k + s] / sum;
+    }
+}
+
+@compute @workgroup_size(64)
+fn route(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let t = gid.x + gid.y * p.groups_x * 64u;
+    if (t < p.tokens) {
+        select_top_k(t);
+    }
+}
+
+#if NORMED
+@group(0) @binding(4) var<storage, read> x: array<f32>;
+@group(0) @binding(5) var<storage, read> norm_weight: array<f32>;
+@group(0) @binding(6) var<storage, read_write> normed: array<f32>;
+@group(0) @binding(7) var<storage, read> w: array<u32>;
+@group(0) @binding(8) var<storage, read> bias: array<f32>;
+
+var<workgroup> partial: array<f32, WG * TILE>;
+
+// Element i of the router's weights.
+fn weight(i: u32) -> f32 {
+#if BF16
+    let word = w[i >> 1u];
+    return bitcast<f32>(select(word << 16u, word & 0xffff0000u, (i & 1u) == 1u));
+#endif
+#if F16
+    let pair = unpack2x16float(w[i >> 1u]);
+    return select(pair.x, pair.y, (i & 1u) == 1u);
+#endif
+#if F32
+    return bitcast<f32>(w[i]);
+#endif
+}
+
+// Sums each lane's TILE values over the workgroup (partial[i * WG] holds row i's sum after).
+fn reduce_tile(lid: u32) {
+    workgroupBarrier();
+    for (var stride = WG / 2u; stride > 0u; stride = stride / 2u) {
+        if (lid < stride) {
+            for (var i = 0u; i < TILE; i = i + 1u) {
+                partial[i * WG + lid] = partial[i * WG + lid] + partial[i * WG + lid + stride];
+            }
+        }
+        workgroupBarrier();
+    }
+}
+
+@compute @workgroup_size(64)
+fn route_normed(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let t = wg.x;
+    let row = t * p.cols;
+    var squares = 0.0;
+    for (var c = lid; c < p.cols; c = c + WG) {
+        let v = x[row + c];
+        squares = squares + v * v;
+    }
+    partial[lid] = squares;
+    workgroupBarrier();
+    for (var stride = WG / 2u; stride > 0u; stride = stride / 2u) {
+        if (lid < stride) {
+            partial[lid] = partial[lid] + partial[lid + stride];
+        }
+        workgroupBarrier();
+    }
+    let inv = 1.0 / sqrt(partial[0] / f32(p.cols) + p.eps);
+    // Every lane has read the sum before the tiles below reuse `partial`.
+    workgroupBarrier();
+    // Each lane writes, then reads back, only its own columns: no barrier is needed between.
+    for (var c = lid; c < p.cols; c = c + WG) {
+        normed[row + c] = norm_weight[c] * (x[row + c] * inv);
+    }
+    for (var first = 0u; first < p.experts; first = first + TILE) {
+        var acc: array<f32, TILE>;
+        for (var c = lid; c < p.cols; c = c + WG) {
+            let v = normed[row + c];
+            for (var i = 0u; i < TILE; i = i + 1u) {
+                let e = min(first + i, p.experts - 1u);
+                acc[i] = acc[i] + weight(e * p.cols + c) * v;
+            }
+        }
+        // The previous tile's sums were read before its last barrier.
+        for (var i = 0u; i < TILE; i = i + 1u) {
+            partial[i * WG + lid] = acc[i];
+        }
+        reduce_tile(lid);
+        if (lid < TILE && first + lid < p.experts) {
+            logits[t * p.experts + first + lid] = partial[lid * WG] + bias[first + lid];
+        }
+        workgroupBarrier();
+    }
+    storageBarrier();
+    if (lid == 0u) {
+        select_top_k(t);
+    }
+}
+#endif
