@@ -43,6 +43,15 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
     ),
     ("moe.wgsl", &[&["SWIGLU"], &["COMBINE"]]),
     (
+        "experts.wgsl",
+        &[
+            &["SWIGLU", "MXFP4"],
+            &["SWIGLU", "INT4"],
+            &["COMBINE", "MXFP4"],
+            &["COMBINE", "INT4"],
+        ],
+    ),
+    (
         "router.wgsl",
         &[
             &[],
@@ -310,6 +319,160 @@ fn quantized_experts_match_cpu() {
     }
     // A real GPT-OSS expert: gate_up of 20B/120B, 5760 x 2880.
     check_experts(&ctx, "mxfp4", 1, 5760, 2880, &[0], 1);
+}
+
+/// One expert product on the CPU tier: `out = W[e] . x + bias[e]`.
+fn cpu_expert(q: &Quantized, e: usize, x: &[f32], bias: &[f32], out: &mut [f32]) {
+    let b = Some(&bias[e * out.len()..(e + 1) * out.len()]);
+    match q {
+        Quantized::Mxfp4(m) => cpu::matmul::mxfp4_matmul(m, e, x, b, out),
+        Quantized::Int4(m) => cpu::matmul::int4_matmul(m, e, x, b, out),
+    }
+}
+
+fn upload_quantized(ctx: &GpuContext, name: &str, q: &Quantized) -> GpuExperts {
+    match q {
+        Quantized::Mxfp4(m) => GpuExperts::upload_mxfp4(ctx, name, m).unwrap(),
+        Quantized::Int4(m) => GpuExperts::upload_int4(ctx, name, m).unwrap(),
+    }
+}
+
+/// gate_up + SwiGLU and down + combine as the fused kernels run them, against the CPU tier's
+/// products, clamped SwiGLU and ascending-id combine; `ids` routes `tokens` tokens to `top_k`
+/// experts each.
+fn check_fused_experts(
+    ctx: &GpuContext,
+    kind: &str,
+    (experts, hidden, intermediate): (usize, usize, usize),
+    ids: &[u32],
+    top_k: usize,
+) {
+    let tokens = ids.len() / top_k;
+    let (alpha, limit) = (1.702, 7.0);
+    let gate_up = quantized(kind, experts, 2 * intermediate, hidden);
+    let down = quantized(kind, experts, hidden, intermediate);
+    let x: Vec<f32> = values(tokens * hidden, 8).iter().map(|v| v * 4.0).collect();
+    let (gate_up_bias, down_bias) = (
+        values(experts * 2 * intermediate, 2),
+        values(experts * hidden, 3),
+    );
+    let route_weights = values(ids.len(), 5);
+    let start = values(tokens * hidden, 6);
+    let mut want_act = vec![0f32; ids.len() * intermediate];
+    let mut want_hidden = start.clone();
+    for t in 0..tokens {
+        let mut slots: Vec<usize> = (0..top_k).collect();
+        slots.sort_by_key(|s| ids[t * top_k + s]);
+        let mut sum = vec![0f32; hidden];
+        for s in slots {
+            let (p, e) = (t * top_k + s, ids[t * top_k + s] as usize);
+            let mut products = vec![0f32; 2 * intermediate];
+            cpu_expert(
+                &gate_up,
+                e,
+                &x[t * hidden..(t + 1) * hidden],
+                &gate_up_bias,
+                &mut products,
+            );
+            let act = &mut want_act[p * intermediate..(p + 1) * intermediate];
+            cpu::moe::clamped_swiglu(&products, alpha, limit, act);
+            let mut out = vec![0f32; hidden];
+            cpu_expert(&down, e, act, &down_bias, &mut out);
+            for (total, v) in sum.iter_mut().zip(&out) {
+                *total += v * route_weights[p];
+            }
+        }
+        for (h, v) in want_hidden[t * hidden..(t + 1) * hidden]
+            .iter_mut()
+            .zip(&sum)
+        {
+            *h += v;
+        }
+    }
+
+    let (gw, dw) = (
+        upload_quantized(ctx, kind, &gate_up),
+        upload_quantized(ctx, kind, &down),
+    );
+    let [xb, gb, db, wb, hb] =
+        [&x, &gate_up_bias, &down_bias, &route_weights, &start].map(|v| ctx.upload_f32("in", v));
+    let (ib, dummy) = (
+        ctx.upload("ids", bytemuck::cast_slice(ids)),
+        ctx.zeroed("dummy", 4).unwrap(),
+    );
+    let act = ctx.zeroed("act", (want_act.len() * 4) as u64).unwrap();
+    let swiglu = gw
+        .prepare_gate_up_swiglu(
+            ctx,
+            (&xb, tokens, top_k),
+            &ib,
+            Some(&gb),
+            (alpha, limit),
+            &act,
+            &dummy,
+        )
+        .unwrap()
+        .expect("one binding of quantized experts");
+    ctx.run(&[&swiglu]).unwrap();
+    let what = format!("{kind} E{experts} H{hidden} I{intermediate} ids {ids:?}");
+    let (atol, rtol) = EXPERT_TOLERANCE;
+    let got = ctx.read_f32(&act, want_act.len()).unwrap();
+    let c = assert_close(
+        &format!("{what} gate_up_swiglu"),
+        &got,
+        &want_act,
+        atol,
+        rtol,
+    );
+    eprintln!("{what} gate_up_swiglu: max |error| {:e}", c.max_abs_error);
+    // down + combine from the CPU's activations, so each kernel answers for its own error.
+    ctx.queue
+        .write_buffer(&act, 0, bytemuck::cast_slice(&want_act));
+    let combine = dw
+        .prepare_down_combine(
+            ctx,
+            (&act, tokens, top_k),
+            (&ib, &wb),
+            Some(&db),
+            &hb,
+            &dummy,
+        )
+        .unwrap()
+        .expect("one binding of quantized experts");
+    ctx.run(&[&combine]).unwrap();
+    let got = ctx.read_f32(&hb, want_hidden.len()).unwrap();
+    let c = assert_close(
+        &format!("{what} down_combine"),
+        &got,
+        &want_hidden,
+        atol,
+        rtol,
+    );
+    eprintln!("{what} down_combine: max |error| {:e}", c.max_abs_error);
+}
+
+#[test]
+fn fused_experts_match_cpu() {
+    let Some(ctx) = gpu(None) else { return };
+    for kind in ["mxfp4", "int4"] {
+        // Prefill: 3 tokens x top-2 of 4 experts, ids out of order; decode: top-4.
+        check_fused_experts(&ctx, kind, (4, 64, 32), &[3, 1, 0, 2, 2, 3], 2);
+        check_fused_experts(&ctx, kind, (4, 96, 64), &[2, 0, 3, 1], 4);
+    }
+    // GPT-OSS widths (2880 x 2880 per expert), decode with top-2 of 2.
+    check_fused_experts(&ctx, "mxfp4", (2, 2880, 2880), &[1, 0], 2);
+    // Experts over several bindings are left to the separate kernels.
+    let Some(small) = gpu(Some(2048)) else { return };
+    let split = upload_quantized(&small, "split", &quantized("mxfp4", 5, 40, 64));
+    let b = small.zeroed("b", 64).unwrap();
+    let fused = split
+        .prepare_down_combine(&small, (&b, 1, 2), (&b, &b), None, &b, &b)
+        .unwrap();
+    assert!(
+        fused.is_none(),
+        "{} chunks are not fused",
+        split.chunk_count()
+    );
 }
 
 #[test]

@@ -459,7 +459,7 @@ fn a_profile_times_every_dispatch_and_changes_no_token() {
     assert_eq!(profile.unstamped, 0);
     assert_eq!(stamped, gpu.counters.dispatches, "{profile:?}");
     assert!(
-        profile.kernels.contains_key("matmul.wgsl:experts"),
+        profile.kernels.contains_key("experts.wgsl:gate_up_swiglu"),
         "{profile:?}"
     );
     assert!(profile.total_ns() > 0.0, "{profile:?}");

@@ -129,6 +129,9 @@ pub enum Output {
     Accumulate,
 }
 
+/// Rows one workgroup of experts.wgsl computes (`ROWS` there).
+const FUSED_EXPERT_ROWS: usize = 8;
+
 /// Values in one 16-byte word of bf16/f16 weights (`dense_rows` needs whole words per row).
 const DENSE_WORD_VALUES: usize = 8;
 /// Rows one `dense_rows` workgroup computes (`ROWS` in matmul.wgsl).
@@ -467,6 +470,118 @@ impl GpuExperts {
                 )
             })
             .collect()
+    }
+
+    /// The one weights and scales buffer of quantized experts whose rows are whole 32-value
+    /// groups: what the fused expert kernels read. None otherwise (float experts, experts over
+    /// several bindings): the caller runs the separate kernels.
+    fn fused_operands(&self) -> Option<(&wgpu::Buffer, &wgpu::Buffer)> {
+        let quantized = self.defines[0].0 == "EXPERTS";
+        match self.chunks.as_slice() {
+            [(_, _, weights, Some(scales))] if quantized && self.cols.is_multiple_of(32) => {
+                Some((weights, scales))
+            }
+            _ => None,
+        }
+    }
+
+    /// Parameters of experts.wgsl and its workgroups for `z` along z.
+    fn fused_params(
+        &self,
+        ctx: &GpuContext,
+        (top_k, has_bias): (usize, bool),
+        (alpha, limit): (f32, f32),
+        z: usize,
+    ) -> Result<([u32; 8], [u32; 3])> {
+        let (gx, gy) = ctx.row_groups(self.rows.div_ceil(FUSED_EXPERT_ROWS))?;
+        let params = [
+            u32_of(self.rows, "rows")?,
+            u32_of(self.cols, "cols")?,
+            u32_of(top_k, "top_k")?,
+            has_bias as u32,
+            alpha.to_bits(),
+            limit.to_bits(),
+            gx,
+            0,
+        ];
+        Ok((params, [gx, gy, u32_of(z, "workgroups")?]))
+    }
+
+    /// For each of `tokens * top_k` (token, slot) pairs `p` routed by `ids`, the clamped SwiGLU
+    /// of this gate/up projection (interleaved rows) of `x[p / top_k]`, into `act[p]`: one
+    /// dispatch for the product and the activation (None where `fused_operands` is).
+    #[allow(clippy::too_many_arguments)]
+    pub fn prepare_gate_up_swiglu(
+        &self,
+        ctx: &GpuContext,
+        (x, tokens, top_k): (&wgpu::Buffer, usize, usize),
+        ids: &wgpu::Buffer,
+        bias: Option<&wgpu::Buffer>,
+        alpha_limit: (f32, f32),
+        act: &wgpu::Buffer,
+        dummy: &wgpu::Buffer,
+    ) -> Result<Option<Dispatch>> {
+        let Some((weights, scales)) = self.fused_operands().filter(|_| self.rows % 2 == 0) else {
+            return Ok(None);
+        };
+        let shape = (top_k, bias.is_some());
+        let (params, groups) = self.fused_params(ctx, shape, alpha_limit, tokens * top_k)?;
+        let defines = [
+            ("SWIGLU", "1".to_string()),
+            (self.defines[1].0, "1".to_string()),
+        ];
+        let buffers = [weights, scales, x, bias.unwrap_or(dummy), ids, act];
+        ctx.prepare(
+            "experts.wgsl",
+            "gate_up_swiglu",
+            &defines,
+            &params,
+            &buffers,
+            groups,
+        )
+        .map(Some)
+    }
+
+    /// `hidden[t] +=` the sum over token t's slots, in ascending expert id, of
+    /// `route_weights[p] * (W[ids[p]] . act[p] + bias[ids[p]])`: this down projection and the
+    /// combine in one dispatch (None where `fused_operands` is).
+    #[allow(clippy::too_many_arguments)]
+    pub fn prepare_down_combine(
+        &self,
+        ctx: &GpuContext,
+        (act, tokens, top_k): (&wgpu::Buffer, usize, usize),
+        (ids, route_weights): (&wgpu::Buffer, &wgpu::Buffer),
+        bias: Option<&wgpu::Buffer>,
+        hidden: &wgpu::Buffer,
+        dummy: &wgpu::Buffer,
+    ) -> Result<Option<Dispatch>> {
+        let Some((weights, scales)) = self.fused_operands() else {
+            return Ok(None);
+        };
+        let (params, groups) =
+            self.fused_params(ctx, (top_k, bias.is_some()), (0.0, 0.0), tokens)?;
+        let defines = [
+            ("COMBINE", "1".to_string()),
+            (self.defines[1].0, "1".to_string()),
+        ];
+        let buffers = [
+            weights,
+            scales,
+            act,
+            bias.unwrap_or(dummy),
+            ids,
+            route_weights,
+            hidden,
+        ];
+        ctx.prepare(
+            "experts.wgsl",
+            "down_combine",
+            &defines,
+            &params,
+            &buffers,
+            groups,
+        )
+        .map(Some)
     }
 
     pub fn chunk_count(&self) -> usize {

@@ -15,6 +15,7 @@ pub const SHADERS: &[(&str, &str)] = &[
         include_str!("../../shaders/attention.wgsl"),
     ),
     ("moe.wgsl", include_str!("../../shaders/moe.wgsl")),
+    ("experts.wgsl", include_str!("../../shaders/experts.wgsl")),
     ("router.wgsl", include_str!("../../shaders/router.wgsl")),
     (
         "elementwise.wgsl",

@@ -2,6 +2,7 @@
 //! dispatches, copies, and the host sync that places a layer's experts when VRAM caches them).
 //! Every output lands in the activation buffer of its kind, sized for the largest block.
 
+use super::weights::ResidentExperts;
 use super::{GpuModel, PlanStep, add, add_experts};
 use crate::arch::{Activation, AttentionSpec, ExpertSpec, Gating, RouterSpec};
 use crate::error::{Error, Result};
@@ -60,6 +61,9 @@ enum Deferred {
     Output { layer: usize, x: GpuAct },
     /// RMSNorm of `x`: a `route` of it computes it in the router's kernel.
     Norm { layer: usize, norm: Norm, x: GpuAct },
+    /// The resident down projection of the activated experts: a `combine` of it runs the
+    /// product and the weighted sum in one kernel.
+    Down { layer: usize },
 }
 
 /// Records a block of `n` positions into plan steps.
@@ -95,7 +99,36 @@ impl<'g, 'm> PlanRecorder<'g, 'm> {
                 self.record_output(layer, &x, (&out, Output::Store))
             }
             Some(Deferred::Norm { layer, norm, x }) => self.record_norm(layer, norm, &x),
+            Some(Deferred::Down { layer }) => self.record_down(layer),
         }
+    }
+
+    /// The resident experts of `layer`.
+    fn resident(&self, layer: usize) -> Result<&'g ResidentExperts> {
+        let gpu: &'g GpuModel<'m> = self.gpu;
+        gpu.weights.layers[layer]
+            .experts
+            .as_ref()
+            .ok_or_else(|| Error::Gpu(format!("layer {layer}: its experts are not resident")))
+    }
+
+    /// The resident down projection of every (token, slot) pair's activation into `down`.
+    fn record_down(&mut self, layer: usize) -> Result<()> {
+        let (gpu, a) = (self.gpu, &self.gpu.act);
+        let experts = self.resident(layer)?;
+        let pairs = self.n * gpu.config.experts_per_token;
+        let dispatches = experts.down.prepare(
+            &gpu.weights.ctx,
+            &a.activated,
+            1,
+            &a.expert_ids,
+            pairs,
+            Some(&experts.down_bias),
+            &a.down,
+            &a.dummy,
+        )?;
+        add(&mut self.steps, dispatches);
+        Ok(())
     }
 
     fn norm_weights(&self, layer: usize, norm: Norm) -> &wgpu::Buffer {
@@ -402,6 +435,25 @@ impl Tier for PlanRecorder<'_, '_> {
             };
         let cached = w.experts.is_none();
         let ctx = &gpu.weights.ctx;
+        if !cached {
+            let input = (x.packed("experts")?, n, k);
+            let bias = Some(gate_up_bias);
+            let act = &a.activated;
+            let fused = gate_up.prepare_gate_up_swiglu(
+                ctx,
+                input,
+                selector,
+                bias,
+                (alpha, limit),
+                act,
+                &a.dummy,
+            )?;
+            if let Some(dispatch) = fused {
+                add(&mut self.steps, vec![dispatch]);
+                self.deferred = Some(Deferred::Down { layer });
+                return Ok(Self::act(&a.down, spec.hidden));
+            }
+        }
         let dispatches = gate_up.prepare(
             ctx,
             x.packed("experts")?,
@@ -439,6 +491,26 @@ impl Tier for PlanRecorder<'_, '_> {
         routing: &GpuRouting,
         experts: GpuAct,
     ) -> Result<()> {
+        if let Some(Deferred::Down { layer }) = self.deferred
+            && experts.buffer == self.gpu.act.down
+        {
+            let (gpu, a) = (self.gpu, &self.gpu.act);
+            let resident = self.resident(layer)?;
+            let input = (&a.activated, self.n, gpu.config.experts_per_token);
+            let fused = resident.down.prepare_down_combine(
+                &gpu.weights.ctx,
+                input,
+                (&routing.ids, &routing.weights),
+                Some(&resident.down_bias),
+                hidden.packed("combine")?,
+                &a.dummy,
+            )?;
+            if let Some(dispatch) = fused {
+                self.deferred = None;
+                add(&mut self.steps, vec![dispatch]);
+                return Ok(());
+            }
+        }
         self.flush()?;
         let k = self.gpu.config.experts_per_token;
         let buffers = (&routing.ids, &routing.weights, &experts.buffer);

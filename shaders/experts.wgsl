@@ -1,0 +1,193 @@
+// A token's routed experts with their epilogues fused, for quantized experts held in one binding:
+//
+// Entry `gate_up_swiglu` (SWIGLU): for each (token, slot) pair p, e = ids[p] its expert,
+//   act[p][j] = swiglu(W[e][2j] . x[t] + b[e][2j], W[e][2j + 1] . x[t] + b[e][2j + 1]) with
+//   t = p / top_k: GPT-OSS's interleaved gate/up rows and moe.wgsl's clamped SwiGLU.
+// Entry `down_combine` (COMBINE): hidden[t][r] += the sum over t's slots, in ascending expert id
+//   (moe.wgsl's combine order), of weight[p] * (W[e][r] . act[p] + b[e][r]).
+//
+// Weights are MXFP4 (MXFP4: E2M1 nibbles, low nibble first, one E8M0 scale byte per 32 inputs) or
+// INT4 (INT4: nibbles q - 8, one f16 scale per 32 inputs), rows of 16-byte groups. ROWS rows per
+// workgroup, LANES lanes per row: a row's lanes read consecutive 16-byte groups, and the E2M1
+// values come from a table in workgroup memory (no per-lane lookup array).
+
+const WG: u32 = 64u;
+const ROWS: u32 = 8u;
+const LANES: u32 = WG / ROWS;
+
+struct Params {
+    rows: u32,          // rows per expert
+    cols: u32,          // inputs per row, a multiple of 32
+    top_k: u32,         // slots per token
+    has_bias: u32,
+    alpha: f32,         // SwiGLU
+    limit: f32,
+    groups_x: u32,      // workgroups along x (row block = x + y * groups_x)
+    pad: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> w: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> scales: array<u32>;
+@group(0) @binding(3) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> bias: array<f32>;
+@group(0) @binding(5) var<storage, read> ids: array<u32>;
+#if SWIGLU
+@group(0) @binding(6) var<storage, read_write> act: array<f32>;
+#endif
+#if COMBINE
+@group(0) @binding(6) var<storage, read> route_weights: array<f32>;
+@group(0) @binding(7) var<storage, read_write> hidden: array<f32>;
+#endif
+
+var<workgroup> partial: array<f32, WG>;
+
+#if MXFP4
+// E2M1 values by code: bit 3 is the sign (code 8 is -0).
+const FP4_VALUES = array<f32, 16>(0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0);
+var<workgroup> fp4: array<f32, 16>;
+#endif
+
+// Fills the workgroup's E2M1 table (every lane reaches the barrier).
+fn load_table(lid: u32) {
+#if MXFP4
+    if (lid < 16u) {
+        fp4[lid] = FP4_VALUES[lid];
+    }
+#endif
+    workgroupBarrier();
+}
+
+fn nibble_value(n: u32) -> f32 {
+#if MXFP4
+    return fp4[n];
+#endif
+#if INT4
+    return f32(i32(n) - 8);
+#endif
+}
+
+// A group's dot product `sum` times the group's scale (index s into the row-major scales).
+fn scaled(sum: f32, s: u32) -> f32 {
+#if MXFP4
+    // E8M0: 2^(byte - 127), applied with ldexp so no subnormal scale is ever materialized.
+    let byte = (scales[s >> 2u] >> (8u * (s & 3u))) & 0xffu;
+    return ldexp(sum, i32(byte) - 127);
+#endif
+#if INT4
+    let pair = unpack2x16float(scales[s >> 1u]);
+    return sum * select(pair.x, pair.y, (s & 1u) == 1u);
+#endif
+}
+
+// Eight nibbles (one 32-bit word, lowest first) times eight inputs.
+fn dot_word(bits: u32, low: vec4<f32>, high: vec4<f32>) -> f32 {
+    let first = vec4<f32>(nibble_value(bits & 15u), nibble_value((bits >> 4u) & 15u),
+                          nibble_value((bits >> 8u) & 15u), nibble_value((bits >> 12u) & 15u));
+    let second = vec4<f32>(nibble_value((bits >> 16u) & 15u), nibble_value((bits >> 20u) & 15u),
+                           nibble_value((bits >> 24u) & 15u), nibble_value(bits >> 28u));
+    return dot(first, low) + dot(second, high);
+}
+
+// This lane's part of weight row `row` (counted over every expert) times the input starting at
+// x[x4] (in vec4s): groups lane, lane + LANES, ...
+fn row_partial(row: u32, lane: u32, x4: u32) -> f32 {
+    let groups = p.cols / 32u;
+    var acc = 0.0;
+    for (var g = lane; g < groups; g = g + LANES) {
+        let word = w[row * groups + g];
+        let xg = x4 + g * 8u;
+        var sum = 0.0;
+        for (var k = 0u; k < 4u; k = k + 1u) {
+            sum = sum + dot_word(word[k], x[xg + 2u * k], x[xg + 2u * k + 1u]);
+        }
+        acc = acc + scaled(sum, row * groups + g);
+    }
+    return acc;
+}
+
+// Sums `value` over each row's LANES lanes; each lane gets its row's sum.
+fn reduce_row(lid: u32, value: f32) -> f32 {
+    partial[lid] = value;
+    workgroupBarrier();
+    let lane = lid % LANES;
+    for (var stride = LANES / 2u; stride > 0u; stride = stride / 2u) {
+        if (lane < stride) {
+            partial[lid] = partial[lid] + partial[lid + stride];
+        }
+        workgroupBarrier();
+    }
+    return partial[lid - lane];
+}
+
+fn with_bias(total: f32, e: u32, r: u32) -> f32 {
+    if (p.has_bias == 1u) {
+        return total + bias[e * p.rows + r];
+    }
+    return total;
+}
+
+#if SWIGLU
+@compute @workgroup_size(64)
+fn gate_up_swiglu(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    load_table(lid);
+    let slot = lid / LANES;
+    let lane = lid % LANES;
+    let r = (wg.x + wg.y * p.groups_x) * ROWS + slot;
+    let pair = wg.z;
+    let e = ids[pair];
+    var acc = 0.0;
+    if (r < p.rows) {
+        acc = row_partial(e * p.rows + r, lane, (pair / p.top_k) * (p.cols / 4u));
+    }
+    let total = reduce_row(lid, acc);
+    // Even slots hold gate rows, the next slot the same unit's up row (ROWS is even).
+    if (lane == 0u && slot % 2u == 0u && r + 1u < p.rows) {
+        let gate = min(with_bias(total, e, r), p.limit);
+        let up = clamp(with_bias(partial[lid + LANES], e, r + 1u), -p.limit, p.limit);
+        let glu = gate * (1.0 / (1.0 + exp(-(gate * p.alpha))));
+        act[pair * (p.rows / 2u) + r / 2u] = (up + 1.0) * glu;
+    }
+}
+#endif
+
+#if COMBINE
+@compute @workgroup_size(64)
+fn down_combine(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    load_table(lid);
+    let slot = lid / LANES;
+    let lane = lid % LANES;
+    let r = (wg.x + wg.y * p.groups_x) * ROWS + slot;
+    let t = wg.z;
+    var sum = 0.0;
+    var previous = -1;
+    for (var n = 0u; n < p.top_k; n = n + 1u) {
+        // The slot with the smallest expert id above the previous one.
+        var chosen = 0u;
+        var best = 0x7fffffff;
+        for (var s = 0u; s < p.top_k; s = s + 1u) {
+            let e = i32(ids[t * p.top_k + s]);
+            if (e > previous && e < best) {
+                best = e;
+                chosen = s;
+            }
+        }
+        let pair = t * p.top_k + chosen;
+        let e = u32(best);
+        var acc = 0.0;
+        if (r < p.rows) {
+            acc = row_partial(e * p.rows + r, lane, pair * (p.cols / 4u));
+        }
+        let total = reduce_row(lid, acc);
+        if (r < p.rows) {
+            sum = sum + with_bias(total, e, r) * route_weights[pair];
+        }
+        previous = best;
+        // Every lane has read its row's sum before the next slot's reduction reuses `partial`.
+        workgroupBarrier();
+    }
+    if (lane == 0u && r < p.rows) {
+        hidden[t * p.rows + r] = hidden[t * p.rows + r] + sum;
+    }
+}
+#endif
