@@ -1,8 +1,6 @@
 // Small kernels over whole rows.
 //
 // Entry `add`: y += x.
-// Entry `embed`: rows of an embedding matrix chunk (bf16/f16/f32 words, rows
-//   [row_first, row_first + rows)) gathered for the tokens whose id falls in the chunk.
 // Entry `argmax`: the index of the largest of `count` values (the first on ties; NaN never wins),
 //   one workgroup.
 // Entry `top_k`: the `rows` (= k) largest of `count` values, largest first (lower index first on
@@ -12,10 +10,10 @@
 const WG: u32 = 256u;
 
 struct Params {
-    count: u32,         // elements (add), hidden size (embed), values (argmax)
+    count: u32,         // elements (add), values (argmax, top_k)
     tokens: u32,
     row_first: u32,
-    rows: u32,          // chunk rows (embed), k (top_k)
+    rows: u32,          // k (top_k)
     groups_x: u32,      // workgroups along x (index = x + y * groups_x * 256)
     pad0: u32,
     pad1: u32,
@@ -33,40 +31,6 @@ fn add(@builtin(global_invocation_id) gid: vec3<u32>) {
     let index = gid.x + gid.y * p.groups_x * 256u;
     if (index < p.count) {
         y[index] = y[index] + x[index];
-    }
-}
-#endif
-
-#if EMBED
-@group(0) @binding(1) var<storage, read> table: array<u32>;
-@group(0) @binding(2) var<storage, read> token_ids: array<u32>;
-@group(0) @binding(3) var<storage, read_write> y: array<f32>;
-
-fn value(i: u32) -> f32 {
-#if BF16
-    let word = table[i >> 1u];
-    return bitcast<f32>(select(word << 16u, word & 0xffff0000u, (i & 1u) == 1u));
-#endif
-#if F16
-    let pair = unpack2x16float(table[i >> 1u]);
-    return select(pair.x, pair.y, (i & 1u) == 1u);
-#endif
-#if F32
-    return bitcast<f32>(table[i]);
-#endif
-}
-
-@compute @workgroup_size(256)
-fn embed(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let index = gid.x + gid.y * p.groups_x * 256u;
-    if (index >= p.tokens * p.count) {
-        return;
-    }
-    let t = index / p.count;
-    let c = index % p.count;
-    let id = token_ids[t];
-    if (id >= p.row_first && id < p.row_first + p.rows) {
-        y[index] = value((id - p.row_first) * p.count + c);
     }
 }
 #endif

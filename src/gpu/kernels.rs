@@ -969,36 +969,6 @@ pub fn prepare_argmax(
     )
 }
 
-impl GpuMatrix {
-    /// Gathers rows `token_ids[t]` of this matrix into `y` (`[tokens, cols]` f32); one dispatch per
-    /// chunk, each writing the tokens whose row it holds.
-    pub fn prepare_embed(
-        &self,
-        ctx: &GpuContext,
-        token_ids: &wgpu::Buffer,
-        tokens: usize,
-        y: &wgpu::Buffer,
-    ) -> Result<Vec<Dispatch>> {
-        let format = format_define(self.format);
-        let defines = [("EMBED", "1".to_string()), (format, "1".to_string())];
-        let groups = ctx.flat_groups(tokens * self.cols, 256)?;
-        self.chunks
-            .iter()
-            .map(|(first, rows, buffer)| {
-                let params = elementwise_params(self.cols, tokens, (*first, *rows), groups[0])?;
-                ctx.prepare(
-                    "elementwise.wgsl",
-                    "embed",
-                    &defines,
-                    &params,
-                    &[buffer, token_ids, y],
-                    groups,
-                )
-            })
-            .collect()
-    }
-}
-
 /// Most logits the GPU's top-k reads back per step (it makes k passes over the vocabulary).
 pub const MAX_GPU_TOP_LOGITS: usize = 64;
 

@@ -165,7 +165,6 @@ impl GpuCounters {
 /// Activation buffers, sized for `max_block` tokens.
 struct Activations {
     step: wgpu::Buffer,
-    tokens: wgpu::Buffer,
     cos: wgpu::Buffer,
     sin: wgpu::Buffer,
     hidden: wgpu::Buffer,
@@ -400,7 +399,6 @@ impl<'m> GpuModel<'m> {
         let top_bytes = f(2 * options.top_logits);
         let act = Activations {
             step: ctx.uniform("step", &[0u8; 16]),
-            tokens: zeroed("tokens", f(b))?,
             cos: zeroed("cos", f(b * cfg.head_dim / 2))?,
             sin: zeroed("sin", f(b * cfg.head_dim / 2))?,
             hidden: zeroed("hidden", f(b * h))?,
@@ -611,14 +609,7 @@ impl<'m> GpuModel<'m> {
         let ctx = &self.weights.ctx;
         let a = &self.act;
         let (h, k) = (cfg.hidden_size, cfg.experts_per_token);
-        let mut steps: Vec<PlanStep> = Vec::new();
-        add(
-            &mut steps,
-            self.weights
-                .embeddings
-                .prepare_embed(ctx, &a.tokens, n, &a.hidden)?,
-        );
-        let mut recorder = plan::PlanRecorder::new(self, n, steps);
+        let mut recorder = plan::PlanRecorder::new(self, n, Vec::new());
         self.record_layers(&mut recorder)?;
         let mut steps = recorder.finish()?;
         if let Some(output) = head {
@@ -817,7 +808,9 @@ impl<'m> GpuModel<'m> {
             0,
             bytemuck::cast_slice(&[self.len as u32, 0, 0, 0]),
         );
-        q.write_buffer(&self.act.tokens, 0, bytemuck::cast_slice(tokens));
+        // The block's embedding rows, gathered on the host.
+        let embedded = self.model.embed(tokens);
+        q.write_buffer(&self.act.hidden, 0, bytemuck::cast_slice(&embedded));
         let (mut cos, mut sin) = (Vec::new(), Vec::new());
         for t in 0..n {
             let (c, s) = self.weights.rope.cos_sin(self.len + t);
@@ -1080,6 +1073,8 @@ impl<'m> GpuModel<'m> {
             self.options.max_block,
         );
         self.reset();
+        // The host gathers the embedding rows: every id must name one.
+        validate_tokens(&self.config, 0, prompt, self.options.context)?;
         let kept = self.act.routing_trace.clone();
         let trace = match &kept {
             Some(trace) => trace.clone(),

@@ -46,7 +46,6 @@ pub struct GpuWeights<'m> {
     /// kernels for misses.
     pub(super) model: &'m Model,
     pub(super) layers: Vec<GpuLayer>,
-    pub(super) embeddings: GpuMatrix,
     /// The head, when the GPU runs every layer and holds it.
     pub(super) lm_head: Option<GpuMatrix>,
     pub(super) final_norm: wgpu::Buffer,
@@ -87,10 +86,10 @@ pub(super) fn catching_oom<T>(
     }
 }
 
-/// The dense weights a device took: the embeddings, the first layers, and the head when every
-/// layer fit.
+/// The dense weights a device took: the first layers, and the head when every layer fit. The
+/// embeddings stay on the host, which gathers a block's rows (a few KB per token) and uploads
+/// them with the block: no kernel, and no VRAM for a table as large as the head.
 struct Dense {
-    embeddings: GpuMatrix,
     layers: Vec<GpuLayer>,
     lm_head: Option<GpuMatrix>,
 }
@@ -113,7 +112,6 @@ impl<'m> GpuWeights<'m> {
         let mut weights = GpuWeights {
             model,
             layers: dense.layers,
-            embeddings: dense.embeddings,
             lm_head: dense.lm_head,
             final_norm,
             pool: None,
@@ -344,7 +342,7 @@ fn upload_layer(ctx: &GpuContext, l: usize, w: &crate::weights::LayerWeights) ->
     })
 }
 
-/// Uploads the embeddings, then layer by layer while they fit (a software adapter's memory is
+/// Uploads layer by layer while they fit (a software adapter's memory is
 /// the host's: half of what is available; a GPU says when it is out of memory), then the head
 /// if every layer fit.
 fn upload_dense(ctx: &GpuContext, model: &Model, options: &GpuTierOptions) -> Result<Dense> {
@@ -364,15 +362,6 @@ fn upload_dense(ctx: &GpuContext, model: &Model, options: &GpuTierOptions) -> Re
         room = room.saturating_sub(bytes);
         fits
     };
-    let embedding_bytes = weights.embeddings.data.bytes().len() as u64;
-    if !take(embedding_bytes) {
-        return Err(Error::Gpu(format!(
-            "the embeddings ({:.2} GB) do not fit the software adapter {} (it uses host memory)",
-            embedding_bytes as f64 / 1e9,
-            ctx.adapter.name
-        )));
-    }
-    let embeddings = GpuMatrix::upload(ctx, "embeddings", &weights.embeddings)?;
     let wanted = options
         .gpu_layers
         .unwrap_or(cfg.num_layers)
@@ -418,9 +407,5 @@ fn upload_dense(ctx: &GpuContext, model: &Model, options: &GpuTierOptions) -> Re
             cfg.num_layers
         );
     }
-    Ok(Dense {
-        embeddings,
-        layers,
-        lm_head,
-    })
+    Ok(Dense { layers, lm_head })
 }
