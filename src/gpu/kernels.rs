@@ -521,7 +521,10 @@ impl GpuExperts {
         act: &wgpu::Buffer,
         dummy: &wgpu::Buffer,
     ) -> Result<Option<Dispatch>> {
-        let Some((weights, scales)) = self.fused_operands().filter(|_| self.rows % 2 == 0) else {
+        let Some((weights, scales)) = self
+            .fused_operands()
+            .filter(|_| self.rows.is_multiple_of(2))
+        else {
             return Ok(None);
         };
         let shape = (top_k, bias.is_some());
