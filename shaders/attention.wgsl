@@ -6,12 +6,14 @@
 // included) is applied as they are read, so it costs no pass of its own:
 //   x'[i] = x[i] * cos[t][i] - x[i + D/2] * sin[t][i],  x'[i + D/2] = x[i + D/2] * cos[t][i] + x[i] * sin[t][i]
 //
-// Entry `store`: writes the block's keys (rotated) and values into the cache slots
-//   (position % capacity). Sliding layers keep a ring of at least window + block - 1 slots, so
-//   no key a query of the block needs is overwritten.
-// Entry `attend`: one workgroup per (query, head). Keys are visited in tiles of 64 with an online
-//   softmax (running max and sum, rescaled accumulators); the sink joins as one more logit with no
-//   value. Query position = step.start + t; keys j with j <= position and position - j < window.
+// Entry `attend`: one workgroup per (query, head). The first query head of each KV head also
+//   stores its token's key (rotated) and value in the cache slot position % capacity. Keys are
+//   visited in tiles of 64 with an online softmax (running max and sum, rescaled accumulators);
+//   the sink joins as one more logit with no value. Query position = step.start + t; keys j with
+//   j <= position and position - j < window. The block's own keys and values are read from qkv,
+//   the earlier ones from the cache, so no read waits on this dispatch's stores; and no store
+//   overwrites a key the block reads: sliding layers keep a ring of at least
+//   window + block - 1 slots, the others one slot per position.
 
 const WG: u32 = 64u;
 const MAX_HEAD_DIM: u32 = {{MAX_HEAD_DIM}}u;
@@ -68,32 +70,30 @@ fn head_value(head: u32, i: u32, t: u32, rotate: u32) -> f32 {
     return qkv[head + i] * c + qkv[head + j] * s;
 }
 
-#if STORE
+#if ATTEND
 @group(0) @binding(5) var<storage, read_write> k_cache: array<f32>;
 @group(0) @binding(6) var<storage, read_write> v_cache: array<f32>;
-
-@compute @workgroup_size(64)
-fn store(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let kv_dim = p.num_kv_heads * p.head_dim;
-    let index = gid.x + gid.y * p.groups_x * 64u;
-    if (index >= p.tokens * kv_dim) {
-        return;
-    }
-    let t = index / kv_dim;
-    let slot = (step.start + t) % p.capacity;
-    let d = index % kv_dim;
-    let i = d % p.head_dim;
-    let row = t * p.row_stride;
-    k_cache[slot * kv_dim + d] = head_value(row + p.k_offset + d - i, i, t, p.rotate_k);
-    v_cache[slot * kv_dim + d] = qkv[row + p.v_offset + d];
-}
-#endif
-
-#if ATTEND
-@group(0) @binding(5) var<storage, read> k_cache: array<f32>;
-@group(0) @binding(6) var<storage, read> v_cache: array<f32>;
 @group(0) @binding(7) var<storage, read> sinks: array<f32>;
 @group(0) @binding(8) var<storage, read_write> out: array<f32>;
+
+// Element i of key j of KV head g (the block's keys rotated as they are read).
+fn key_at(j: u32, g: u32, i: u32) -> f32 {
+    let d = p.head_dim;
+    if (j >= step.start) {
+        let b = j - step.start;
+        return head_value(b * p.row_stride + p.k_offset + g * d, i, b, p.rotate_k);
+    }
+    return k_cache[(j % p.capacity) * p.num_kv_heads * d + g * d + i];
+}
+
+// Element i of value j of KV head g.
+fn value_at(j: u32, g: u32, i: u32) -> f32 {
+    let d = p.head_dim;
+    if (j >= step.start) {
+        return qkv[(j - step.start) * p.row_stride + p.v_offset + g * d + i];
+    }
+    return v_cache[(j % p.capacity) * p.num_kv_heads * d + g * d + i];
+}
 
 var<workgroup> q_local: array<f32, MAX_HEAD_DIM>;
 var<workgroup> scores: array<f32, WG>;
@@ -109,6 +109,13 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
     var first = 0u;
     if (p.window > 0u && position + 1u > p.window) {
         first = position + 1u - p.window;
+    }
+    if (h % (p.num_heads / p.num_kv_heads) == 0u) {
+        let at = (position % p.capacity) * kv_dim + g * d;
+        for (var i = lid; i < d; i = i + WG) {
+            k_cache[at + i] = key_at(position, g, i);
+            v_cache[at + i] = value_at(position, g, i);
+        }
     }
     let query = t * p.row_stride + p.q_offset + h * d;
     for (var i = lid; i < d; i = i + WG) {
@@ -128,10 +135,9 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         let j = j0 + lid;
         var s = NEG;
         if (j <= position) {
-            let kb = (j % p.capacity) * kv_dim + g * d;
             var dot = 0.0;
             for (var i = 0u; i < d; i = i + 1u) {
-                dot = dot + q_local[i] * k_cache[kb + i];
+                dot = dot + q_local[i] * key_at(j, g, i);
             }
             s = dot * p.scaling;
         }
@@ -151,11 +157,10 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         for (var i = 0u; i < count; i = i + 1u) {
             let e = exp(scores[i] - new_m);
             l = l + e;
-            let vb = ((j0 + i) % p.capacity) * kv_dim + g * d;
             for (var k = 0u; k < PER_THREAD; k = k + 1u) {
                 let dim = lid + k * WG;
                 if (dim < d) {
-                    acc[k] = acc[k] + e * v_cache[vb + dim];
+                    acc[k] = acc[k] + e * value_at(j0 + i, g, dim);
                 }
             }
         }

@@ -36,7 +36,6 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
     (
         "attention.wgsl",
         &[
-            &["STORE", "MAX_HEAD_DIM=64"],
             &["ATTEND", "MAX_HEAD_DIM=64"],
             &["ATTEND", "MAX_HEAD_DIM=256"],
         ],
@@ -532,20 +531,21 @@ fn rotated_rows(rope: &cpu::rope::RopeTable, x: &[f32], width: usize, first: usi
     out
 }
 
-/// The store kernel rotates keys as it writes them: its cache against the CPU tier's rope.
+/// The attention kernel rotates the keys it stores in the cache: the cache against the CPU
+/// tier's rope.
 #[test]
 fn rope_matches_cpu() {
-    use picchio::gpu::kernels::{AttentionInputs, AttentionShape, QkvRows, prepare_kv_store};
+    use picchio::gpu::kernels::{AttentionInputs, AttentionShape, QkvRows, prepare_attention};
     let Some(ctx) = gpu(None) else { return };
     for (head_dim, heads, start, tokens) in [(16, 3, 0, 4), (64, 8, 1000, 2), (64, 64, 4095, 1)] {
         let rope = cpu::rope::RopeTable::new(&rope_config(head_dim));
         let width = heads * head_dim;
         let keys = values(tokens * width, 3);
         let want = rotated_rows(&rope, &keys, width, start);
-        // Rows of [keys, values]; the values are not looked at.
+        // Rows of [queries, keys, values]; only the stored keys are looked at.
         let rows: Vec<f32> = keys
             .chunks(width)
-            .flat_map(|k| k.iter().chain(k).copied())
+            .flat_map(|k| k.iter().chain(k).chain(k).copied())
             .collect();
         let (cos, sin) = rotary_tables(&rope, start..start + tokens);
         let shape = AttentionShape {
@@ -553,12 +553,14 @@ fn rope_matches_cpu() {
             num_kv_heads: heads,
             head_dim,
             capacity: tokens,
-            window: None,
+            window: Some(1),
         };
         let buffers =
             [("rows", rows), ("cos", cos), ("sin", sin)].map(|(n, v)| ctx.upload_f32(n, &v));
         let bytes = (tokens * width * 4) as u64;
-        let caches = ["keys", "values"].map(|n| ctx.zeroed(n, bytes).unwrap());
+        let [k_cache, v_cache, out] =
+            ["keys", "values", "out"].map(|n| ctx.zeroed(n, bytes).unwrap());
+        let sinks = ctx.zeroed("sinks", (heads * 4) as u64).unwrap();
         // Token t lands in slot t: each case starts on a multiple of its length (the capacity).
         assert_eq!(start % tokens, 0);
         let step = ctx.uniform("step", bytemuck::cast_slice(&[start as u32, 0, 0, 0]));
@@ -566,21 +568,21 @@ fn rope_matches_cpu() {
             step: &step,
             rows: QkvRows {
                 buffer: &buffers[0],
-                stride: 2 * width,
+                stride: 3 * width,
                 query: 0,
-                key: 0,
-                value: width,
-                rotate_query: false,
+                key: width,
+                value: 2 * width,
+                rotate_query: true,
                 rotate_key: true,
             },
             cos: &buffers[1],
             sin: &buffers[2],
-            keys: &caches[0],
-            values: &caches[1],
+            keys: &k_cache,
+            values: &v_cache,
         };
-        let d = prepare_kv_store(&ctx, shape, tokens, &inputs).unwrap();
+        let d = prepare_attention(&ctx, shape, tokens, &inputs, &sinks, &out).unwrap();
         ctx.run(&[&d]).unwrap();
-        let got = ctx.read_f32(&caches[0], want.len()).unwrap();
+        let got = ctx.read_f32(&k_cache, want.len()).unwrap();
         let (atol, rtol) = ROPE_TOLERANCE;
         assert_close(
             &format!("rope D{head_dim} x{heads} at {start}"),
@@ -593,8 +595,8 @@ fn rope_matches_cpu() {
 }
 
 /// Attention of `tokens` queries at positions start.. against keys 0..start+tokens, on the GPU
-/// (cache written by the store kernel in two steps, ring when windowed; queries and keys rotated
-/// by the kernels when `rotate`) and on the CPU.
+/// (the cache filled by the kernel itself in two blocks, ring when windowed; queries and keys
+/// rotated by the kernel when `rotate`) and on the CPU.
 fn check_attention(
     ctx: &GpuContext,
     (heads, kv_heads, head_dim): (usize, usize, usize),
@@ -602,9 +604,7 @@ fn check_attention(
     window: Option<usize>,
     rotate: bool,
 ) {
-    use picchio::gpu::kernels::{
-        AttentionInputs, AttentionShape, QkvRows, prepare_attention, prepare_kv_store,
-    };
+    use picchio::gpu::kernels::{AttentionInputs, AttentionShape, QkvRows, prepare_attention};
     let (q_dim, kv_dim) = (heads * head_dim, kv_heads * head_dim);
     let total = start + tokens;
     let q: Vec<f32> = values(tokens * q_dim, 11).iter().map(|v| v * 2.0).collect();
@@ -653,12 +653,13 @@ fn check_attention(
     let caches = ["k_cache", "v_cache"].map(|n| ctx.zeroed(n, bytes).unwrap());
     let step = ctx.uniform("step", bytemuck::cast_slice(&[0u32; 4]));
     let stride = q_dim + 2 * kv_dim;
-    let (sb, ob) = (
-        ctx.upload_f32("sinks", &sinks),
-        ctx.zeroed("out", (want.len() * 4) as u64).unwrap(),
-    );
+    let sb = ctx.upload_f32("sinks", &sinks);
+    let ob = ctx.zeroed("out", (want.len() * 4) as u64).unwrap();
+    let past_out = ctx
+        .zeroed("past out", (start.max(1) * q_dim * 4) as u64)
+        .unwrap();
     // Past keys (positions 0..start) in one block, then the new block, as prefill then decode;
-    // only the new block attends, so the past block's queries are zeros.
+    // only the new block's output is checked, so the past block's queries are zeros.
     for (first, count) in [(0, start), (start, tokens)] {
         if count == 0 {
             continue;
@@ -694,12 +695,9 @@ fn check_attention(
             keys: &caches[0],
             values: &caches[1],
         };
-        let store = prepare_kv_store(ctx, shape, count, &inputs).unwrap();
-        ctx.run(&[&store]).unwrap();
-        if first == start {
-            let attend = prepare_attention(ctx, shape, tokens, &inputs, &sb, &ob).unwrap();
-            ctx.run(&[&attend]).unwrap();
-        }
+        let out = if first == start { &ob } else { &past_out };
+        let attend = prepare_attention(ctx, shape, count, &inputs, &sb, out).unwrap();
+        ctx.run(&[&attend]).unwrap();
     }
     let got = ctx.read_f32(&ob, want.len()).unwrap();
     let (atol, rtol) = ATTENTION_TOLERANCE;

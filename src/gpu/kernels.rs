@@ -658,8 +658,9 @@ pub struct QkvRows<'b> {
     pub rotate_key: bool,
 }
 
-/// What both attention kernels read: the step (block start), the block's q/k/v rows, the
-/// per-token rotary tables (`[tokens, head_dim / 2]`, attention factor applied) and the cache.
+/// What the attention kernel reads: the step (block start), the block's q/k/v rows, the per-token
+/// rotary tables (`[tokens, head_dim / 2]`, attention factor applied) and the cache (which it
+/// also writes the block's keys and values to).
 pub struct AttentionInputs<'b> {
     pub step: &'b wgpu::Buffer,
     pub rows: QkvRows<'b>,
@@ -692,39 +693,17 @@ impl AttentionShape {
         ])
     }
 
-    fn defines(&self, entry: &str) -> [(&'static str, String); 2] {
+    fn defines(&self) -> [(&'static str, String); 2] {
         let max_head_dim = self.head_dim.div_ceil(64).max(1) * 64;
-        let switch = if entry == "store" { "STORE" } else { "ATTEND" };
         [
-            (switch, "1".into()),
+            ("ATTEND", "1".into()),
             ("MAX_HEAD_DIM", max_head_dim.to_string()),
         ]
     }
 }
 
-/// Writes `tokens` keys (rotated where they need it) and values at positions `step.start + t`
-/// of the cache.
-pub fn prepare_kv_store(
-    ctx: &GpuContext,
-    shape: AttentionShape,
-    tokens: usize,
-    inputs: &AttentionInputs,
-) -> Result<Dispatch> {
-    let groups = ctx.flat_groups(tokens * shape.num_kv_heads * shape.head_dim, 64)?;
-    let i = inputs;
-    let buffers = [i.step, i.rows.buffer, i.cos, i.sin, i.keys, i.values];
-    let params = shape.params(tokens, groups[0], &i.rows)?;
-    ctx.prepare(
-        "attention.wgsl",
-        "store",
-        &shape.defines("store"),
-        &params,
-        &buffers,
-        groups,
-    )
-}
-
-/// Attention of `tokens` queries at positions `step.start + t` over the cache, with sinks.
+/// Stores the block's keys and values in the cache and attends `tokens` queries at positions
+/// `step.start + t` to the keys they see, with sinks.
 pub fn prepare_attention(
     ctx: &GpuContext,
     shape: AttentionShape,
@@ -753,7 +732,7 @@ pub fn prepare_attention(
     ctx.prepare(
         "attention.wgsl",
         "attend",
-        &shape.defines("attend"),
+        &shape.defines(),
         &params,
         &buffers,
         workgroups,

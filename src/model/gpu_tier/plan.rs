@@ -8,8 +8,8 @@ use crate::arch::{Activation, AttentionSpec, ExpertSpec, Gating, RouterSpec};
 use crate::error::{Error, Result};
 use crate::gpu::kernels::{
     AttentionInputs, AttentionShape, Output, QkvRows, RouterWeights, RoutingBuffers, prepare_add,
-    prepare_attention, prepare_combine, prepare_kv_store, prepare_rms_norm, prepare_route,
-    prepare_route_normed, prepare_swiglu,
+    prepare_attention, prepare_combine, prepare_rms_norm, prepare_route, prepare_route_normed,
+    prepare_swiglu,
 };
 use crate::model::block::{Norm, Projection, Tier};
 
@@ -292,9 +292,8 @@ impl Tier for PlanRecorder<'_, '_> {
             keys: &kv.keys,
             values: &kv.values,
         };
-        let store = prepare_kv_store(ctx, shape, n, &inputs)?;
         let attend = prepare_attention(ctx, shape, n, &inputs, sinks, &a.attention)?;
-        add(&mut self.steps, vec![store, attend]);
+        add(&mut self.steps, vec![attend]);
         Ok(Self::act(&a.attention, queries.width))
     }
 
