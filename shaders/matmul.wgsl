@@ -5,7 +5,10 @@
 //   y[t][row_offset + r] += that instead (the output projection adds into the residual).
 // Entry `dense_rows` (DENSE_ROWS, BF16 or F16, `in` a multiple of 8): the same, ROWS rows per
 //   workgroup, each read by WG / ROWS lanes in 16-byte words (8 values), so that neighbouring
-//   lanes read neighbouring words and no load is half wasted.
+//   lanes read neighbouring words and no load is half wasted. With NORMED, x[t] is RMSNorm'ed
+//   (weights norm_weight, p.eps) on the way in: W[r] . (norm_weight * x[t]) times x[t]'s inverse
+//   RMS, whose sum of squares the row's lanes gather from the values they read anyway, so the
+//   norm costs no pass of its own.
 // Entry `experts_unquantized`: the same for float experts stored [E, in, out] (transformers'
 //   orientation, as save_pretrained writes unquantized GPT-OSS), BF16/F16/F32.
 // Entry `experts`: for every (token, slot) pair p, with e = ids[p] the routed expert,
@@ -29,6 +32,10 @@ struct Params {
     x_div: u32,         // x row of pair p is p / x_div
     pairs: u32,
     accumulate: u32,    // dense: add the row into y instead of storing it
+    eps: f32,           // NORMED
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -152,6 +159,26 @@ fn dot8(word: vec4<u32>, xb: u32) -> f32 {
     return sum;
 }
 
+#if NORMED
+@group(0) @binding(5) var<storage, read> norm_weight: array<f32>;
+
+// dot8 of norm_weight * x (columns c0 .. c0 + 8), and the sum of the x values' squares.
+fn dot8_normed(word: vec4<u32>, xb: u32, c0: u32) -> vec2<f32> {
+    var sum = 0.0;
+    var squares = 0.0;
+    for (var k = 0u; k < 8u; k = k + 1u) {
+        let v = x[xb + k];
+        squares = squares + v * v;
+    }
+    for (var k = 0u; k < 4u; k = k + 1u) {
+        let pair = unpack_pair(word[k]);
+        let c = c0 + 2u * k;
+        sum = sum + pair.x * (norm_weight[c] * x[xb + 2u * k]) + pair.y * (norm_weight[c + 1u] * x[xb + 2u * k + 1u]);
+    }
+    return vec2<f32>(sum, squares);
+}
+#endif
+
 @compute @workgroup_size(64)
 fn dense_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let slot = lid / LANES;
@@ -160,14 +187,27 @@ fn dense_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     let t = wg.z;
     let words = p.cols / 8u;
     var acc = 0.0;
+    var squares = 0.0;
     if (r < p.rows) {
         let xb = t * p.x_stride;
         for (var i = lane; i < words; i = i + LANES) {
+#if NORMED
+            let part = dot8_normed(w4[r * words + i], xb + 8u * i, 8u * i);
+            acc = acc + part.x;
+            squares = squares + part.y;
+#else
             acc = acc + dot8(w4[r * words + i], xb + 8u * i);
+#endif
         }
     }
     // Each row's lanes sum their partial products (every lane reaches every barrier).
-    let total = reduce_lanes(lid, LANES, acc);
+    var total = reduce_lanes(lid, LANES, acc);
+#if NORMED
+    // Every lane has read its sum before the second reduction reuses `partial`.
+    workgroupBarrier();
+    let inv = 1.0 / sqrt(reduce_lanes(lid, LANES, squares) / f32(p.cols) + p.eps);
+    total = total * inv;
+#endif
     if (lane == 0u && r < p.rows) {
         write_dense_row(t, r, total);
     }

@@ -25,6 +25,8 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
             &["DENSE", "F32"],
             &["DENSE_ROWS", "BF16"],
             &["DENSE_ROWS", "F16"],
+            &["DENSE_ROWS", "BF16", "NORMED"],
+            &["DENSE_ROWS", "F16", "NORMED"],
             &["EXPERTS", "MXFP4", "EXPERT_PAIRS"],
             &["EXPERTS", "INT4", "EXPERT_PAIRS"],
             &["EXPERTS_UNQUANTIZED", "BF16", "EXPERT_PAIRS"],
@@ -784,6 +786,7 @@ fn dense_matmul_accumulates_into_its_output() {
                 .prepare_product(
                     &ctx,
                     (&xb, tokens),
+                    None,
                     Some(&bb),
                     (&yb, Output::Accumulate),
                     &dummy,
@@ -799,6 +802,68 @@ fn dense_matmul_accumulates_into_its_output() {
             assert_close(&what, &got, &want, atol, rtol);
         }
     }
+}
+
+/// A product that takes its input's RMSNorm in (q/k/v after the input norm, the head after the
+/// final norm) against the CPU tier's norm then product; split over bindings as well. A matrix
+/// whose rows are not whole 16-byte words refuses.
+#[test]
+fn dense_matmul_takes_its_input_norm_in() {
+    use picchio::gpu::kernels::{Output, RowNorm};
+    for binding_limit in [None, Some(2048)] {
+        let Some(ctx) = gpu(binding_limit) else {
+            return;
+        };
+        let mut cases = vec![
+            (FloatFormat::Bf16, (131, 72, 2)),
+            (FloatFormat::F16, (64, 96, 3)),
+        ];
+        if binding_limit.is_none() {
+            cases.push((FloatFormat::Bf16, (5120, 2880, 1))); // GPT-OSS's stacked q/k/v
+        }
+        for (format, (rows, cols, tokens)) in cases {
+            let m = dense_matrix(rows, cols, format, 78);
+            let x: Vec<f32> = values(tokens * cols, 5).iter().map(|v| v * 3.0).collect();
+            let norm: Vec<f32> = values(cols, 6).iter().map(|v| 1.0 + 0.1 * v).collect();
+            let bias = values(rows, 9);
+            let mut normed = vec![0f32; tokens * cols];
+            cpu::norm::rms_norm(&x, &norm, 1e-5, &mut normed);
+            let mut want = vec![0f32; tokens * rows];
+            cpu::matmul::dense_matmul(&m, &normed, Some(&bias), &mut want);
+            let gm = GpuMatrix::upload(&ctx, "qkv", &m).unwrap();
+            let [xb, nb, bb] = [&x, &norm, &bias].map(|v| ctx.upload_f32("buffer", v));
+            let (yb, dummy) = (
+                ctx.zeroed("y", (want.len() * 4) as u64).unwrap(),
+                ctx.zeroed("dummy", 4).unwrap(),
+            );
+            let row_norm = Some(RowNorm {
+                weight: &nb,
+                eps: 1e-5,
+            });
+            let out = (&yb, Output::Store);
+            let dispatches = gm
+                .prepare_product(&ctx, (&xb, tokens), row_norm, Some(&bb), out, &dummy)
+                .unwrap();
+            ctx.run(&dispatches.iter().collect::<Vec<_>>()).unwrap();
+            let got = ctx.read_f32(&yb, want.len()).unwrap();
+            let what = format!(
+                "normed {format:?} {rows}x{cols} x{tokens} ({} chunks)",
+                gm.chunks.len()
+            );
+            let (atol, rtol) = DENSE_TOLERANCE;
+            let c = assert_close(&what, &got, &want, atol, rtol);
+            eprintln!("{what}: max |error| {:e}", c.max_abs_error);
+        }
+    }
+    let Some(ctx) = gpu(None) else { return };
+    let odd = GpuMatrix::upload(&ctx, "odd", &dense_matrix(7, 33, FloatFormat::Bf16, 1)).unwrap();
+    let b = ctx.zeroed("b", 256).unwrap();
+    let norm = Some(RowNorm {
+        weight: &b,
+        eps: 1e-5,
+    });
+    let refused = odd.prepare_product(&ctx, (&b, 1), norm, None, (&b, Output::Store), &b);
+    assert!(refused.is_err(), "33 columns are not whole words");
 }
 
 /// The router in one kernel (norm, product, top-k) against the CPU tier's three ops; with the

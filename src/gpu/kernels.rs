@@ -121,6 +121,12 @@ fn split(
         .collect())
 }
 
+/// The RMSNorm a product applies to its input rows on the way in.
+pub struct RowNorm<'b> {
+    pub weight: &'b wgpu::Buffer,
+    pub eps: f32,
+}
+
 /// What a product does with its output buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Output {
@@ -197,28 +203,42 @@ impl GpuMatrix {
         y: &wgpu::Buffer,
         dummy: &wgpu::Buffer,
     ) -> Result<Vec<Dispatch>> {
-        self.prepare_product(ctx, (x, tokens), bias, (y, Output::Store), dummy)
+        self.prepare_product(ctx, (x, tokens), None, bias, (y, Output::Store), dummy)
     }
 
-    /// As `prepare`, with `y[t][r] += W[r] . x[t] + bias[r]` where `output` says so.
+    /// Half-precision rows of whole 16-byte words: `dense_rows` (several rows per workgroup,
+    /// vector loads), which can also take the RMSNorm of its input in.
+    pub fn by_words(&self) -> bool {
+        self.format != FloatFormat::F32 && self.cols.is_multiple_of(DENSE_WORD_VALUES)
+    }
+
+    /// As `prepare`, with `y[t][r] += W[r] . x[t] + bias[r]` where `output` says so, and of
+    /// RMSNorm(x[t]) where `norm` is given (only for matrices `by_words`).
     pub fn prepare_product(
         &self,
         ctx: &GpuContext,
         (x, tokens): (&wgpu::Buffer, usize),
+        norm: Option<RowNorm>,
         bias: Option<&wgpu::Buffer>,
         (y, output): (&wgpu::Buffer, Output),
         dummy: &wgpu::Buffer,
     ) -> Result<Vec<Dispatch>> {
         let format = format_define(self.format);
-        // Half-precision rows of whole 16-byte words: several rows per workgroup, vector loads.
-        let by_words =
-            self.format != FloatFormat::F32 && self.cols.is_multiple_of(DENSE_WORD_VALUES);
-        let (variant, entry, rows_per_group) = if by_words {
+        let (variant, entry, rows_per_group) = if self.by_words() {
             ("DENSE_ROWS", "dense_rows", DENSE_ROWS_PER_GROUP)
-        } else {
+        } else if norm.is_none() {
             ("DENSE", "dense", 1)
+        } else {
+            return Err(Error::Gpu(format!(
+                "a {:?} matrix of {} columns cannot take a norm in",
+                self.format, self.cols
+            )));
         };
-        let defines = [(variant, "1".to_string()), (format, "1".to_string())];
+        let mut defines = vec![(variant, "1".to_string()), (format, "1".to_string())];
+        if norm.is_some() {
+            defines.push(("NORMED", "1".to_string()));
+        }
+        let eps = norm.as_ref().map_or(0.0, |n| n.eps);
         self.chunks
             .iter()
             .map(|(first, rows, buffer)| {
@@ -236,8 +256,13 @@ impl GpuMatrix {
                     1,
                     0,
                     (output == Output::Accumulate) as u32,
+                    eps.to_bits(),
+                    0,
+                    0,
+                    0,
                 ];
-                let buffers = [buffer, x, bias.unwrap_or(dummy), y];
+                let mut buffers = vec![buffer, x, bias.unwrap_or(dummy), y];
+                buffers.extend(norm.as_ref().map(|n| n.weight));
                 ctx.prepare(
                     "matmul.wgsl",
                     entry,
@@ -453,6 +478,10 @@ impl GpuExperts {
                     u32_of(*n, "experts")?,
                     u32_of(x_div, "x_div")?,
                     u32_of(pairs, "pairs")?,
+                    0,
+                    0,
+                    0,
+                    0,
                     0,
                 ];
                 let head = [weights, x, bias.unwrap_or(dummy), y];

@@ -7,9 +7,9 @@ use super::{GpuModel, PlanStep, add, add_experts};
 use crate::arch::{Activation, AttentionSpec, ExpertSpec, Gating, RouterSpec};
 use crate::error::{Error, Result};
 use crate::gpu::kernels::{
-    AttentionInputs, AttentionShape, Output, QkvRows, RouterWeights, RoutingBuffers, prepare_add,
-    prepare_attention, prepare_combine, prepare_rms_norm, prepare_route, prepare_route_normed,
-    prepare_swiglu,
+    AttentionInputs, AttentionShape, Output, QkvRows, RouterWeights, RoutingBuffers, RowNorm,
+    prepare_add, prepare_attention, prepare_combine, prepare_rms_norm, prepare_route,
+    prepare_route_normed, prepare_swiglu,
 };
 use crate::model::block::{Norm, Projection, Tier};
 
@@ -59,7 +59,7 @@ pub struct GpuRouting {
 enum Deferred {
     /// The output projection of `x`: an `add` of it into the residual accumulates it in place.
     Output { layer: usize, x: GpuAct },
-    /// RMSNorm of `x`: a `route` of it computes it in the router's kernel.
+    /// RMSNorm of `x`: a product or a `route` of it computes it in its own kernel.
     Norm { layer: usize, norm: Norm, x: GpuAct },
     /// The resident down projection of the activated experts: a `combine` of it runs the
     /// product and the weighted sum in one kernel.
@@ -160,8 +160,9 @@ impl<'g, 'm> PlanRecorder<'g, 'm> {
         let (gpu, a) = (self.gpu, &self.gpu.act);
         let w = &gpu.weights.layers[layer];
         let input = (x.packed("project")?, self.n);
+        let bias = w.o_bias.as_ref();
         let dispatches =
-            w.o.prepare_product(&gpu.weights.ctx, input, w.o_bias.as_ref(), out, &a.dummy)?;
+            w.o.prepare_product(&gpu.weights.ctx, input, None, bias, out, &a.dummy)?;
         add(&mut self.steps, dispatches);
         Ok(())
     }
@@ -176,7 +177,7 @@ impl Tier for PlanRecorder<'_, '_> {
     type Routing = GpuRouting;
     type Experts = GpuAct;
 
-    /// Deferred: the router may compute it in its own kernel.
+    /// Deferred: the product or the router after it may take it into its own kernel.
     fn rms_norm(&mut self, layer: usize, norm: Norm, x: &GpuAct) -> Result<GpuAct> {
         self.flush()?;
         x.packed("rms_norm")?;
@@ -196,7 +197,6 @@ impl Tier for PlanRecorder<'_, '_> {
         projections: [Projection; N],
         x: &GpuAct,
     ) -> Result<[GpuAct; N]> {
-        self.flush()?;
         let (gpu, a) = (self.gpu, &self.gpu.act);
         let w = &gpu.weights.layers[layer];
         let (matrix, bias, out) = match projections.as_slice() {
@@ -217,18 +217,37 @@ impl Tier for PlanRecorder<'_, '_> {
             )));
         }
         if let [Projection::Output] = projections.as_slice() {
+            self.flush()?;
             x.packed("project")?;
             self.deferred = Some(Deferred::Output {
                 layer,
                 x: x.clone(),
             });
         } else {
-            let dispatches = matrix.prepare(
+            // The deferred norm of the input, when it is `x`, taken into the product.
+            let (input, norm_weight) = match &self.deferred {
+                Some(Deferred::Norm {
+                    layer,
+                    norm,
+                    x: residual,
+                }) if x.buffer == a.normed && matrix.by_words() => {
+                    let weight = self.norm_weights(*layer, *norm).clone();
+                    (residual.clone(), Some(weight))
+                }
+                _ => {
+                    self.flush()?;
+                    (x.clone(), None)
+                }
+            };
+            self.deferred = None;
+            let eps = gpu.config.rms_norm_eps;
+            let norm = norm_weight.as_ref().map(|weight| RowNorm { weight, eps });
+            let dispatches = matrix.prepare_product(
                 &gpu.weights.ctx,
-                x.packed("project")?,
-                self.n,
+                (input.packed("project")?, self.n),
+                norm,
                 bias.as_ref(),
-                out,
+                (out, Output::Store),
                 &a.dummy,
             )?;
             add(&mut self.steps, dispatches);
