@@ -1,4 +1,4 @@
-// A token's routed experts with their epilogues fused, for quantized experts held in one binding:
+// A token's routed experts with their epilogues fused, for quantized experts in up to four bindings:
 //
 // Entry `gate_up_swiglu` (SWIGLU): for each (token, slot) pair p, e = ids[p] its expert,
 //   act[p][j] = swiglu(W[e][2j] . x[t] + b[e][2j], W[e][2j + 1] . x[t] + b[e][2j + 1]) with
@@ -7,7 +7,8 @@
 //   (moe.wgsl's combine order), of weight[p] * (W[e][r] . act[p] + b[e][r]).
 //
 // Weights are MXFP4 (MXFP4: E2M1 nibbles, low nibble first, one E8M0 scale byte per 32 inputs) or
-// INT4 (INT4: nibbles q - 8, one f16 scale per 32 inputs), rows of 16-byte groups. ROWS rows per
+// INT4 (INT4: nibbles q - 8, one f16 scale per 32 inputs), rows of 16-byte groups, over up to
+// four bindings. ROWS rows per
 // workgroup, LANES lanes per row: a row's lanes read consecutive 16-byte groups, and the E2M1
 // values come from a table in workgroup memory (no per-lane lookup array).
 
@@ -23,22 +24,50 @@ struct Params {
     alpha: f32,         // SwiGLU
     limit: f32,
     groups_x: u32,      // workgroups along x (row block = x + y * groups_x)
-    pad: u32,
+    per_chunk: u32,     // experts per binding
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> w: array<vec4<u32>>;
-@group(0) @binding(2) var<storage, read> scales: array<u32>;
-@group(0) @binding(3) var<storage, read> x: array<vec4<f32>>;
-@group(0) @binding(4) var<storage, read> bias: array<f32>;
-@group(0) @binding(5) var<storage, read> ids: array<u32>;
+// The experts over up to four bindings of `per_chunk` experts each (the adapter's binding limit):
+// weights and scales of chunk c at bindings 1 + 2c and 2 + 2c; unused ones repeat chunk 0's.
+@group(0) @binding(1) var<storage, read> w0: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> scales0: array<u32>;
+@group(0) @binding(3) var<storage, read> w1: array<vec4<u32>>;
+@group(0) @binding(4) var<storage, read> scales1: array<u32>;
+@group(0) @binding(5) var<storage, read> w2: array<vec4<u32>>;
+@group(0) @binding(6) var<storage, read> scales2: array<u32>;
+@group(0) @binding(7) var<storage, read> w3: array<vec4<u32>>;
+@group(0) @binding(8) var<storage, read> scales3: array<u32>;
+@group(0) @binding(9) var<storage, read> x: array<vec4<f32>>;
+@group(0) @binding(10) var<storage, read> bias: array<f32>;
+@group(0) @binding(11) var<storage, read> ids: array<u32>;
 #if SWIGLU
-@group(0) @binding(6) var<storage, read_write> act: array<f32>;
+@group(0) @binding(12) var<storage, read_write> act: array<f32>;
 #endif
 #if COMBINE
-@group(0) @binding(6) var<storage, read> route_weights: array<f32>;
-@group(0) @binding(7) var<storage, read_write> hidden: array<f32>;
+@group(0) @binding(12) var<storage, read> route_weights: array<f32>;
+@group(0) @binding(13) var<storage, read_write> hidden: array<f32>;
 #endif
+
+// Word i of chunk c's weights (the chunk is the same in the whole workgroup).
+fn weight_word(c: u32, i: u32) -> vec4<u32> {
+    switch c {
+        case 0u: { return w0[i]; }
+        case 1u: { return w1[i]; }
+        case 2u: { return w2[i]; }
+        default: { return w3[i]; }
+    }
+}
+
+// Word i of chunk c's scales.
+fn scale_word(c: u32, i: u32) -> u32 {
+    switch c {
+        case 0u: { return scales0[i]; }
+        case 1u: { return scales1[i]; }
+        case 2u: { return scales2[i]; }
+        default: { return scales3[i]; }
+    }
+}
 
 var<workgroup> partial: array<f32, WG>;
 
@@ -67,15 +96,15 @@ fn nibble_value(n: u32) -> f32 {
 #endif
 }
 
-// A group's dot product `sum` times the group's scale (index s into the row-major scales).
-fn scaled(sum: f32, s: u32) -> f32 {
+// A group's dot product `sum` times the group's scale (index s into chunk c's row-major scales).
+fn scaled(sum: f32, c: u32, s: u32) -> f32 {
 #if MXFP4
     // E8M0: 2^(byte - 127), applied with ldexp so no subnormal scale is ever materialized.
-    let byte = (scales[s >> 2u] >> (8u * (s & 3u))) & 0xffu;
+    let byte = (scale_word(c, s >> 2u) >> (8u * (s & 3u))) & 0xffu;
     return ldexp(sum, i32(byte) - 127);
 #endif
 #if INT4
-    let pair = unpack2x16float(scales[s >> 1u]);
+    let pair = unpack2x16float(scale_word(c, s >> 1u));
     return sum * select(pair.x, pair.y, (s & 1u) == 1u);
 #endif
 }
@@ -89,19 +118,21 @@ fn dot_word(bits: u32, low: vec4<f32>, high: vec4<f32>) -> f32 {
     return dot(first, low) + dot(second, high);
 }
 
-// This lane's part of weight row `row` (counted over every expert) times the input starting at
-// x[x4] (in vec4s): groups lane, lane + LANES, ...
-fn row_partial(row: u32, lane: u32, x4: u32) -> f32 {
+// This lane's part of expert e's weight row r times the input starting at x[x4] (in vec4s):
+// groups lane, lane + LANES, ...
+fn row_partial(e: u32, r: u32, lane: u32, x4: u32) -> f32 {
     let groups = p.cols / 32u;
+    let c = e / p.per_chunk;
+    let row = (e % p.per_chunk) * p.rows + r;
     var acc = 0.0;
     for (var g = lane; g < groups; g = g + LANES) {
-        let word = w[row * groups + g];
+        let word = weight_word(c, row * groups + g);
         let xg = x4 + g * 8u;
         var sum = 0.0;
         for (var k = 0u; k < 4u; k = k + 1u) {
             sum = sum + dot_word(word[k], x[xg + 2u * k], x[xg + 2u * k + 1u]);
         }
-        acc = acc + scaled(sum, row * groups + g);
+        acc = acc + scaled(sum, c, row * groups + g);
     }
     return acc;
 }
@@ -138,7 +169,7 @@ fn gate_up_swiglu(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocatio
     let e = ids[pair];
     var acc = 0.0;
     if (r < p.rows) {
-        acc = row_partial(e * p.rows + r, lane, (pair / p.top_k) * (p.cols / 4u));
+        acc = row_partial(e, r, lane, (pair / p.top_k) * (p.cols / 4u));
     }
     let total = reduce_row(lid, acc);
     // Even slots hold gate rows, the next slot the same unit's up row (ROWS is even).
@@ -176,7 +207,7 @@ fn down_combine(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
         let e = u32(best);
         var acc = 0.0;
         if (r < p.rows) {
-            acc = row_partial(e * p.rows + r, lane, pair * (p.cols / 4u));
+            acc = row_partial(e, r, lane, pair * (p.cols / 4u));
         }
         let total = reduce_row(lid, acc);
         if (r < p.rows) {

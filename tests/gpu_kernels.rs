@@ -404,9 +404,13 @@ fn check_fused_experts(
             &dummy,
         )
         .unwrap()
-        .expect("one binding of quantized experts");
+        .expect("quantized experts in at most four bindings");
     ctx.run(&[&swiglu]).unwrap();
-    let what = format!("{kind} E{experts} H{hidden} I{intermediate} ids {ids:?}");
+    let what = format!(
+        "{kind} E{experts} H{hidden} I{intermediate} ids {ids:?} ({} and {} chunks)",
+        gw.chunk_count(),
+        dw.chunk_count()
+    );
     let (atol, rtol) = EXPERT_TOLERANCE;
     let got = ctx.read_f32(&act, want_act.len()).unwrap();
     let c = assert_close(
@@ -430,7 +434,7 @@ fn check_fused_experts(
             &dummy,
         )
         .unwrap()
-        .expect("one binding of quantized experts");
+        .expect("quantized experts in at most four bindings");
     ctx.run(&[&combine]).unwrap();
     let got = ctx.read_f32(&hb, want_hidden.len()).unwrap();
     let c = assert_close(
@@ -453,8 +457,12 @@ fn fused_experts_match_cpu() {
     }
     // GPT-OSS widths (2880 x 2880 per expert), decode with top-2 of 2.
     check_fused_experts(&ctx, "mxfp4", (2, 2880, 2880), &[1, 0], 2);
-    // Experts over several bindings are left to the separate kernels.
+    // 2 KiB bindings: gate_up in 4 chunks of one expert, down in 2 of two.
     let Some(small) = gpu(Some(2048)) else { return };
+    for kind in ["mxfp4", "int4"] {
+        check_fused_experts(&small, kind, (4, 64, 32), &[3, 1, 0, 2, 2, 3], 2);
+    }
+    // Experts over more than four bindings are left to the separate kernels.
     let split = upload_quantized(&small, "split", &quantized("mxfp4", 5, 40, 64));
     let b = small.zeroed("b", 64).unwrap();
     let fused = split

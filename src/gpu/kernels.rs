@@ -137,6 +137,8 @@ pub enum Output {
 
 /// Rows one workgroup of experts.wgsl computes (`ROWS` there).
 const FUSED_EXPERT_ROWS: usize = 8;
+/// Bindings of expert weights (and as many of scales) experts.wgsl reads.
+const FUSED_EXPERT_CHUNKS: usize = 4;
 
 /// Values in one 16-byte word of bf16/f16 weights (`dense_rows` needs whole words per row).
 const DENSE_WORD_VALUES: usize = 8;
@@ -501,24 +503,35 @@ impl GpuExperts {
             .collect()
     }
 
-    /// The one weights and scales buffer of quantized experts whose rows are whole 32-value
-    /// groups: what the fused expert kernels read. None otherwise (float experts, experts over
-    /// several bindings): the caller runs the separate kernels.
-    fn fused_operands(&self) -> Option<(&wgpu::Buffer, &wgpu::Buffer)> {
-        let quantized = self.defines[0].0 == "EXPERTS";
-        match self.chunks.as_slice() {
-            [(_, _, weights, Some(scales))] if quantized && self.cols.is_multiple_of(32) => {
-                Some((weights, scales))
-            }
-            _ => None,
+    /// The weights and scales buffers of quantized experts whose rows are whole 32-value groups,
+    /// in the bindings experts.wgsl reads (chunks of equal expert counts; unused bindings repeat
+    /// the first), and the experts per chunk. None where the fused kernels cannot read them
+    /// (float experts, more than `FUSED_EXPERT_CHUNKS` chunks, an adapter with too few storage
+    /// bindings per shader): the caller runs the separate kernels.
+    fn fused_operands(&self, ctx: &GpuContext) -> Option<(Vec<&wgpu::Buffer>, usize)> {
+        let quantized = self.defines[0].0 == "EXPERTS" && self.cols.is_multiple_of(32);
+        let bindings = ctx.adapter.max_storage_buffers_per_shader_stage as usize;
+        let chunks = self.chunks.len();
+        if !quantized || !(1..=FUSED_EXPERT_CHUNKS).contains(&chunks) || bindings < 13 {
+            return None;
         }
+        let per_chunk = self.chunks[0].1;
+        let mut operands = Vec::with_capacity(2 * FUSED_EXPERT_CHUNKS);
+        for c in 0..FUSED_EXPERT_CHUNKS {
+            let (first, _, weights, scales) = &self.chunks[if c < chunks { c } else { 0 }];
+            if c < chunks && *first != c * per_chunk {
+                return None;
+            }
+            operands.extend([weights, scales.as_ref()?]);
+        }
+        Some((operands, per_chunk))
     }
 
     /// Parameters of experts.wgsl and its workgroups for `z` along z.
     fn fused_params(
         &self,
         ctx: &GpuContext,
-        (top_k, has_bias): (usize, bool),
+        (top_k, has_bias, per_chunk): (usize, bool, usize),
         (alpha, limit): (f32, f32),
         z: usize,
     ) -> Result<([u32; 8], [u32; 3])> {
@@ -531,7 +544,7 @@ impl GpuExperts {
             alpha.to_bits(),
             limit.to_bits(),
             gx,
-            0,
+            u32_of(per_chunk, "experts per chunk")?,
         ];
         Ok((params, [gx, gy, u32_of(z, "workgroups")?]))
     }
@@ -550,19 +563,17 @@ impl GpuExperts {
         act: &wgpu::Buffer,
         dummy: &wgpu::Buffer,
     ) -> Result<Option<Dispatch>> {
-        let Some((weights, scales)) = self
-            .fused_operands()
-            .filter(|_| self.rows.is_multiple_of(2))
-        else {
+        let fused = self.fused_operands(ctx);
+        let Some((mut buffers, per_chunk)) = fused.filter(|_| self.rows.is_multiple_of(2)) else {
             return Ok(None);
         };
-        let shape = (top_k, bias.is_some());
+        let shape = (top_k, bias.is_some(), per_chunk);
         let (params, groups) = self.fused_params(ctx, shape, alpha_limit, tokens * top_k)?;
         let defines = [
             ("SWIGLU", "1".to_string()),
             (self.defines[1].0, "1".to_string()),
         ];
-        let buffers = [weights, scales, x, bias.unwrap_or(dummy), ids, act];
+        buffers.extend([x, bias.unwrap_or(dummy), ids, act]);
         ctx.prepare(
             "experts.wgsl",
             "gate_up_swiglu",
@@ -587,24 +598,16 @@ impl GpuExperts {
         hidden: &wgpu::Buffer,
         dummy: &wgpu::Buffer,
     ) -> Result<Option<Dispatch>> {
-        let Some((weights, scales)) = self.fused_operands() else {
+        let Some((mut buffers, per_chunk)) = self.fused_operands(ctx) else {
             return Ok(None);
         };
-        let (params, groups) =
-            self.fused_params(ctx, (top_k, bias.is_some()), (0.0, 0.0), tokens)?;
+        let shape = (top_k, bias.is_some(), per_chunk);
+        let (params, groups) = self.fused_params(ctx, shape, (0.0, 0.0), tokens)?;
         let defines = [
             ("COMBINE", "1".to_string()),
             (self.defines[1].0, "1".to_string()),
         ];
-        let buffers = [
-            weights,
-            scales,
-            act,
-            bias.unwrap_or(dummy),
-            ids,
-            route_weights,
-            hidden,
-        ];
+        buffers.extend([act, bias.unwrap_or(dummy), ids, route_weights, hidden]);
         ctx.prepare(
             "experts.wgsl",
             "down_combine",
