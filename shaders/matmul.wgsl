@@ -5,7 +5,8 @@
 //   y[t][row_offset + r] += that instead (the output projection adds into the residual).
 // Entry `dense_rows` (DENSE_ROWS, BF16 or F16, `in` a multiple of 8): the same, ROWS rows per
 //   workgroup, each read by WG / ROWS lanes in 16-byte words (8 values), so that neighbouring
-//   lanes read neighbouring words and no load is half wasted. With NORMED, x[t] is RMSNorm'ed
+//   lanes read neighbouring words and no load is half wasted; one dispatch reads up to four
+//   chunks of a split matrix. With NORMED, x[t] is RMSNorm'ed
 //   (weights norm_weight, p.eps) on the way in: W[r] . (norm_weight * x[t]) times x[t]'s inverse
 //   RMS, whose sum of squares the row's lanes gather from the values they read anyway, so the
 //   norm costs no pass of its own.
@@ -33,20 +34,28 @@ struct Params {
     pairs: u32,
     accumulate: u32,    // dense: add the row into y instead of storing it
     eps: f32,           // NORMED
-    pad0: u32,
+    chunk_rows: u32,    // DENSE_ROWS: rows per weight binding
     pad1: u32,
     pad2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
 #if DENSE_ROWS
-@group(0) @binding(1) var<storage, read> w4: array<vec4<u32>>;
+// Up to four consecutive chunks of `chunk_rows` rows each (the adapter's binding limit splits
+// large matrices); unused bindings repeat the first.
+@group(0) @binding(1) var<storage, read> w4_0: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> w4_1: array<vec4<u32>>;
+@group(0) @binding(3) var<storage, read> w4_2: array<vec4<u32>>;
+@group(0) @binding(4) var<storage, read> w4_3: array<vec4<u32>>;
+@group(0) @binding(5) var<storage, read> x: array<f32>;
+@group(0) @binding(6) var<storage, read> bias: array<f32>;
+@group(0) @binding(7) var<storage, read_write> y: array<f32>;
 #else
 @group(0) @binding(1) var<storage, read> w: array<u32>;
-#endif
 @group(0) @binding(2) var<storage, read> x: array<f32>;
 @group(0) @binding(3) var<storage, read> bias: array<f32>;
 @group(0) @binding(4) var<storage, read_write> y: array<f32>;
+#endif
 #if EXPERTS
 @group(0) @binding(5) var<storage, read> scales: array<u32>;
 @group(0) @binding(6) var<storage, read> ids: array<u32>;
@@ -160,7 +169,7 @@ fn dot8(word: vec4<u32>, xb: u32) -> f32 {
 }
 
 #if NORMED
-@group(0) @binding(5) var<storage, read> norm_weight: array<f32>;
+@group(0) @binding(8) var<storage, read> norm_weight: array<f32>;
 
 // dot8 of norm_weight * x (columns c0 .. c0 + 8), and the sum of the x values' squares.
 fn dot8_normed(word: vec4<u32>, xb: u32, c0: u32) -> vec2<f32> {
@@ -179,6 +188,17 @@ fn dot8_normed(word: vec4<u32>, xb: u32, c0: u32) -> vec2<f32> {
 }
 #endif
 
+// Word i of row r (counted from the dispatch's first row) in the chunk bindings.
+fn row_word(r: u32, i: u32) -> vec4<u32> {
+    let at = (r % p.chunk_rows) * (p.cols / 8u) + i;
+    switch r / p.chunk_rows {
+        case 0u: { return w4_0[at]; }
+        case 1u: { return w4_1[at]; }
+        case 2u: { return w4_2[at]; }
+        default: { return w4_3[at]; }
+    }
+}
+
 @compute @workgroup_size(64)
 fn dense_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let slot = lid / LANES;
@@ -192,11 +212,11 @@ fn dense_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
         let xb = t * p.x_stride;
         for (var i = lane; i < words; i = i + LANES) {
 #if NORMED
-            let part = dot8_normed(w4[r * words + i], xb + 8u * i, 8u * i);
+            let part = dot8_normed(row_word(r, i), xb + 8u * i, 8u * i);
             acc = acc + part.x;
             squares = squares + part.y;
 #else
-            acc = acc + dot8(w4[r * words + i], xb + 8u * i);
+            acc = acc + dot8(row_word(r, i), xb + 8u * i);
 #endif
         }
     }

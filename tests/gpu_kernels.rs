@@ -211,6 +211,8 @@ fn dense_matmul_splits_tensors_over_the_binding_limit() {
     check_dense(&ctx, "split", 130, 65, 3, FloatFormat::Bf16, true);
     check_dense(&ctx, "split", 33, 64, 2, FloatFormat::F32, false);
     check_dense(&ctx, "split words", 33, 64, 2, FloatFormat::Bf16, true);
+    // Whole-word rows read up to four chunks per dispatch: 10 chunks of 14 rows in 3 dispatches.
+    check_dense(&ctx, "split words", 131, 72, 2, FloatFormat::F16, false);
 }
 
 enum Quantized {

@@ -144,6 +144,8 @@ const FUSED_EXPERT_CHUNKS: usize = 4;
 const DENSE_WORD_VALUES: usize = 8;
 /// Rows one `dense_rows` workgroup computes (`ROWS` in matmul.wgsl).
 const DENSE_ROWS_PER_GROUP: usize = 4;
+/// Chunks of a split matrix one `dense_rows` dispatch reads.
+const DENSE_CHUNKS: usize = 4;
 
 impl GpuMatrix {
     pub fn upload(ctx: &GpuContext, name: &str, m: &DenseMatrix) -> Result<GpuMatrix> {
@@ -241,14 +243,19 @@ impl GpuMatrix {
             defines.push(("NORMED", "1".to_string()));
         }
         let eps = norm.as_ref().map_or(0.0, |n| n.eps);
+        // dense_rows reads up to four chunks per dispatch, dense one.
+        let span = if rows_per_group > 1 { DENSE_CHUNKS } else { 1 };
+        let chunk_rows = self.chunks[0].1;
         self.chunks
-            .iter()
-            .map(|(first, rows, buffer)| {
+            .chunks(span)
+            .map(|spanned| {
+                let first = spanned[0].0;
+                let rows: usize = spanned.iter().map(|c| c.1).sum();
                 let (gx, gy) = ctx.row_groups(rows.div_ceil(rows_per_group))?;
                 let params = [
-                    u32_of(*rows, "rows")?,
+                    u32_of(rows, "rows")?,
                     u32_of(self.cols, "cols")?,
-                    u32_of(*first, "row offset")?,
+                    u32_of(first, "row offset")?,
                     u32_of(self.rows, "rows")?,
                     u32_of(self.cols, "cols")?,
                     bias.is_some() as u32,
@@ -259,11 +266,13 @@ impl GpuMatrix {
                     0,
                     (output == Output::Accumulate) as u32,
                     eps.to_bits(),
-                    0,
+                    u32_of(chunk_rows, "rows per chunk")?,
                     0,
                     0,
                 ];
-                let mut buffers = vec![buffer, x, bias.unwrap_or(dummy), y];
+                let weights = (0..span).map(|c| &spanned.get(c).unwrap_or(&spanned[0]).2);
+                let mut buffers: Vec<&wgpu::Buffer> = weights.collect();
+                buffers.extend([x, bias.unwrap_or(dummy), y]);
                 buffers.extend(norm.as_ref().map(|n| n.weight));
                 ctx.prepare(
                     "matmul.wgsl",
