@@ -69,7 +69,7 @@ fn scale_word(c: u32, i: u32) -> u32 {
     }
 }
 
-var<workgroup> partial: array<f32, WG>;
+#include "reduce.wgsl"
 
 #if MXFP4
 // E2M1 values by code: bit 3 is the sign (code 8 is -0).
@@ -137,20 +137,6 @@ fn row_partial(e: u32, r: u32, lane: u32, x4: u32) -> f32 {
     return acc;
 }
 
-// Sums `value` over each row's LANES lanes; each lane gets its row's sum.
-fn reduce_row(lid: u32, value: f32) -> f32 {
-    partial[lid] = value;
-    workgroupBarrier();
-    let lane = lid % LANES;
-    for (var stride = LANES / 2u; stride > 0u; stride = stride / 2u) {
-        if (lane < stride) {
-            partial[lid] = partial[lid] + partial[lid + stride];
-        }
-        workgroupBarrier();
-    }
-    return partial[lid - lane];
-}
-
 fn with_bias(total: f32, e: u32, r: u32) -> f32 {
     if (p.has_bias == 1u) {
         return total + bias[e * p.rows + r];
@@ -159,6 +145,9 @@ fn with_bias(total: f32, e: u32, r: u32) -> f32 {
 }
 
 #if SWIGLU
+// Each row's sum, for the gate row's lane to read its up row's.
+var<workgroup> row_sums: array<f32, ROWS>;
+
 @compute @workgroup_size(64)
 fn gate_up_swiglu(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     load_table(lid);
@@ -171,11 +160,15 @@ fn gate_up_swiglu(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocatio
     if (r < p.rows) {
         acc = row_partial(e, r, lane, (pair / p.top_k) * (p.cols / 4u));
     }
-    let total = reduce_row(lid, acc);
+    let total = reduce_lanes(lid, LANES, acc);
+    if (lane == 0u) {
+        row_sums[slot] = total;
+    }
+    workgroupBarrier();
     // Even slots hold gate rows, the next slot the same unit's up row (ROWS is even).
     if (lane == 0u && slot % 2u == 0u && r + 1u < p.rows) {
         let gate = min(with_bias(total, e, r), p.limit);
-        let up = clamp(with_bias(partial[lid + LANES], e, r + 1u), -p.limit, p.limit);
+        let up = clamp(with_bias(row_sums[slot + 1u], e, r + 1u), -p.limit, p.limit);
         let glu = gate * (1.0 / (1.0 + exp(-(gate * p.alpha))));
         act[pair * (p.rows / 2u) + r / 2u] = (up + 1.0) * glu;
     }
@@ -209,7 +202,7 @@ fn down_combine(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
         if (r < p.rows) {
             acc = row_partial(e, r, lane, pair * (p.cols / 4u));
         }
-        let total = reduce_row(lid, acc);
+        let total = reduce_lanes(lid, LANES, acc);
         if (r < p.rows) {
             sum = sum + with_bias(total, e, r) * route_weights[pair];
         }

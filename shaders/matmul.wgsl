@@ -64,23 +64,9 @@ struct Params {
 @group(0) @binding(5) var<storage, read> ids: array<u32>;
 #endif
 
-var<workgroup> partial: array<f32, WG>;
 var<workgroup> routed: u32;
 
-// Sums `value` over each run of `width` consecutive lanes (a power of two dividing WG, the same
-// in the whole workgroup); each lane gets its run's sum.
-fn reduce_lanes(lid: u32, width: u32, value: f32) -> f32 {
-    partial[lid] = value;
-    workgroupBarrier();
-    let lane = lid % width;
-    for (var stride = width / 2u; stride > 0u; stride = stride / 2u) {
-        if (lane < stride) {
-            partial[lid] = partial[lid] + partial[lid + stride];
-        }
-        workgroupBarrier();
-    }
-    return partial[lid - lane];
-}
+#include "reduce.wgsl"
 
 fn reduce(lid: u32, value: f32) -> f32 {
     return reduce_lanes(lid, WG, value);

@@ -13,7 +13,7 @@ use picchio::gpu::kernels::{GpuExperts, GpuMatrix, prepare_rms_norm};
 use picchio::gpu::pipelines::{SHADERS, preprocess};
 use picchio::weights::{DenseMatrix, FloatFormat, Int4Experts, Mxfp4Experts, TensorBytes};
 
-use common::{assert_close, gpu};
+use common::{assert_close, gpu, gpu_variants};
 
 /// Every shader file with the define sets picchio compiles it with.
 const VARIANTS: &[(&str, &[&[&str]])] = &[
@@ -27,6 +27,21 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
             &["DENSE_ROWS", "F16"],
             &["DENSE_ROWS", "BF16", "NORMED"],
             &["DENSE_ROWS", "F16", "NORMED"],
+            &[
+                "DENSE_ROWS",
+                "BF16",
+                "NORMED",
+                "SUBGROUPS",
+                "SUBGROUP_MIN=8",
+            ],
+            &["DENSE", "F32", "SUBGROUPS", "SUBGROUP_MIN=32"],
+            &[
+                "EXPERTS",
+                "MXFP4",
+                "EXPERT_PAIRS",
+                "SUBGROUPS",
+                "SUBGROUP_MIN=4",
+            ],
             &["EXPERTS", "MXFP4", "EXPERT_PAIRS"],
             &["EXPERTS", "INT4", "EXPERT_PAIRS"],
             &["EXPERTS_UNQUANTIZED", "BF16", "EXPERT_PAIRS"],
@@ -35,6 +50,7 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
         ],
     ),
     ("norm.wgsl", &[&[]]),
+    ("subgroup_probe.wgsl", &[&[]]),
     (
         "attention.wgsl",
         &[
@@ -50,6 +66,8 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
             &["SWIGLU", "INT4"],
             &["COMBINE", "MXFP4"],
             &["COMBINE", "INT4"],
+            &["SWIGLU", "MXFP4", "SUBGROUPS", "SUBGROUP_MIN=8"],
+            &["COMBINE", "INT4", "SUBGROUPS", "SUBGROUP_MIN=64"],
         ],
     ),
     (
@@ -192,16 +210,17 @@ fn check_dense(
 
 #[test]
 fn dense_matmul_matches_cpu() {
-    let Some(ctx) = gpu(None) else { return };
-    for format in [FloatFormat::Bf16, FloatFormat::F16, FloatFormat::F32] {
-        check_dense(&ctx, "tiny", 7, 33, 1, format, true);
-        check_dense(&ctx, "batch", 64, 96, 3, format, false);
-        check_dense(&ctx, "odd", 130, 65, 5, format, true);
-        // Whole 16-byte words per row (dense_rows for bf16/f16), rows not a multiple of 4.
-        check_dense(&ctx, "words", 131, 72, 2, format, true);
+    for ctx in gpu_variants(None) {
+        for format in [FloatFormat::Bf16, FloatFormat::F16, FloatFormat::F32] {
+            check_dense(&ctx, "tiny", 7, 33, 1, format, true);
+            check_dense(&ctx, "batch", 64, 96, 3, format, false);
+            check_dense(&ctx, "odd", 130, 65, 5, format, true);
+            // Whole 16-byte words per row (dense_rows for bf16/f16), rows not a multiple of 4.
+            check_dense(&ctx, "words", 131, 72, 2, format, true);
+        }
+        // A real GPT-OSS projection (q_proj of 20B/120B).
+        check_dense(&ctx, "q_proj", 4096, 2880, 1, FloatFormat::Bf16, true);
     }
-    // A real GPT-OSS projection (q_proj of 20B/120B).
-    check_dense(&ctx, "q_proj", 4096, 2880, 1, FloatFormat::Bf16, true);
 }
 
 #[test]
@@ -303,16 +322,21 @@ fn check_experts(
 
 #[test]
 fn quantized_experts_match_cpu() {
-    let Some(ctx) = gpu(None) else { return };
+    for ctx in gpu_variants(None) {
+        quantized_experts_on(&ctx);
+    }
+}
+
+fn quantized_experts_on(ctx: &GpuContext) {
     for kind in ["mxfp4", "int4"] {
         // Decode: one token, top-2 of 4 experts; prefill: 3 tokens x top-2.
-        check_experts(&ctx, kind, 4, 40, 64, &[3, 1], 2);
-        check_experts(&ctx, kind, 4, 40, 96, &[0, 2, 2, 3, 1, 0], 2);
+        check_experts(ctx, kind, 4, 40, 64, &[3, 1], 2);
+        check_experts(ctx, kind, 4, 40, 96, &[0, 2, 2, 3, 1, 0], 2);
         // Down projection style: one x row per pair.
-        check_experts(&ctx, kind, 3, 64, 32, &[2, 0, 1], 1);
+        check_experts(ctx, kind, 3, 64, 32, &[2, 0, 1], 1);
     }
     // A real GPT-OSS expert: gate_up of 20B/120B, 5760 x 2880.
-    check_experts(&ctx, "mxfp4", 1, 5760, 2880, &[0], 1);
+    check_experts(ctx, "mxfp4", 1, 5760, 2880, &[0], 1);
 }
 
 /// One expert product on the CPU tier: `out = W[e] . x + bias[e]`.
@@ -451,19 +475,22 @@ fn check_fused_experts(
 
 #[test]
 fn fused_experts_match_cpu() {
-    let Some(ctx) = gpu(None) else { return };
-    for kind in ["mxfp4", "int4"] {
-        // Prefill: 3 tokens x top-2 of 4 experts, ids out of order; decode: top-4.
-        check_fused_experts(&ctx, kind, (4, 64, 32), &[3, 1, 0, 2, 2, 3], 2);
-        check_fused_experts(&ctx, kind, (4, 96, 64), &[2, 0, 3, 1], 4);
+    for ctx in gpu_variants(None) {
+        for kind in ["mxfp4", "int4"] {
+            // Prefill: 3 tokens x top-2 of 4 experts, ids out of order; decode: top-4.
+            check_fused_experts(&ctx, kind, (4, 64, 32), &[3, 1, 0, 2, 2, 3], 2);
+            check_fused_experts(&ctx, kind, (4, 96, 64), &[2, 0, 3, 1], 4);
+        }
+        // GPT-OSS widths (2880 x 2880 per expert), decode with top-2 of 2.
+        check_fused_experts(&ctx, "mxfp4", (2, 2880, 2880), &[1, 0], 2);
     }
-    // GPT-OSS widths (2880 x 2880 per expert), decode with top-2 of 2.
-    check_fused_experts(&ctx, "mxfp4", (2, 2880, 2880), &[1, 0], 2);
     // 2 KiB bindings: gate_up in 4 chunks of one expert, down in 2 of two.
-    let Some(small) = gpu(Some(2048)) else { return };
-    for kind in ["mxfp4", "int4"] {
-        check_fused_experts(&small, kind, (4, 64, 32), &[3, 1, 0, 2, 2, 3], 2);
+    for small in gpu_variants(Some(2048)) {
+        for kind in ["mxfp4", "int4"] {
+            check_fused_experts(&small, kind, (4, 64, 32), &[3, 1, 0, 2, 2, 3], 2);
+        }
     }
+    let Some(small) = gpu(Some(2048)) else { return };
     // Experts over more than four bindings are left to the separate kernels.
     let split = upload_quantized(&small, "split", &quantized("mxfp4", 5, 40, 64));
     let b = small.zeroed("b", 64).unwrap();
@@ -820,10 +847,10 @@ fn dense_matmul_accumulates_into_its_output() {
 #[test]
 fn dense_matmul_takes_its_input_norm_in() {
     use picchio::gpu::kernels::{Output, RowNorm};
-    for binding_limit in [None, Some(2048)] {
-        let Some(ctx) = gpu(binding_limit) else {
-            return;
-        };
+    for (binding_limit, ctx) in [None, Some(2048)]
+        .into_iter()
+        .flat_map(|limit| gpu_variants(limit).into_iter().map(move |ctx| (limit, ctx)))
+    {
         let mut cases = vec![
             (FloatFormat::Bf16, (131, 72, 2)),
             (FloatFormat::F16, (64, 96, 3)),

@@ -11,6 +11,9 @@ use crate::error::{Error, Result};
 /// Set to `1` to let picchio run on a software adapter (lavapipe, WARP) when no GPU is present.
 pub const ALLOW_SOFTWARE_ENV: &str = "PICCHIO_GPU_ALLOW_SOFTWARE";
 
+/// Set to `0` to keep the kernels off subgroup operations.
+pub const SUBGROUPS_ENV: &str = "PICCHIO_GPU_SUBGROUPS";
+
 /// How to pick and configure the device.
 #[derive(Debug, Clone, Default)]
 pub struct GpuOptions {
@@ -19,6 +22,9 @@ pub struct GpuOptions {
     /// Bind at most this many bytes per storage buffer (below the adapter's limit): tests use it to
     /// force tensor splitting on small tensors.
     pub max_binding_bytes: Option<u64>,
+    /// Reduce in workgroup memory only, even where the adapter has subgroup operations (tests
+    /// compare both; `PICCHIO_GPU_SUBGROUPS=0` sets it).
+    pub without_subgroups: bool,
 }
 
 impl GpuOptions {
@@ -27,6 +33,7 @@ impl GpuOptions {
         GpuOptions {
             allow_software: std::env::var(ALLOW_SOFTWARE_ENV).is_ok_and(|v| v == "1"),
             max_binding_bytes: None,
+            without_subgroups: std::env::var(SUBGROUPS_ENV).is_ok_and(|v| v == "0"),
         }
     }
 }
@@ -117,6 +124,8 @@ pub struct GpuContext {
     expert_uploads_before_fault: AtomicU64,
     /// Whether the device stamps compute passes (`gpu::profile`).
     pub timestamps: bool,
+    /// The smallest subgroup size, where the kernels reduce with subgroup operations.
+    pub subgroup_min: Option<u32>,
 }
 
 impl GpuContext {
@@ -141,7 +150,11 @@ impl GpuContext {
         let adapter_report = report(&adapter);
         let limits = adapter.limits();
         // Timestamps cost nothing until a profile asks for them.
-        let features = adapter.features() & wgpu::Features::TIMESTAMP_QUERY;
+        let mut wanted = wgpu::Features::TIMESTAMP_QUERY;
+        if !options.without_subgroups {
+            wanted |= wgpu::Features::SUBGROUP;
+        }
+        let features = adapter.features() & wanted;
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("picchio"),
             required_features: features,
@@ -181,7 +194,7 @@ impl GpuContext {
             adapter_report.device_type,
             max_binding >> 20
         );
-        Ok(GpuContext {
+        let mut ctx = GpuContext {
             pipelines: PipelineCache::default(),
             uploads: Default::default(),
             device,
@@ -193,7 +206,44 @@ impl GpuContext {
             lost,
             expert_uploads_before_fault: AtomicU64::new(u64::MAX),
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
-        })
+            subgroup_min: None,
+        };
+        if features.contains(wgpu::Features::SUBGROUP) {
+            ctx.subgroup_min = ctx.probe_subgroups();
+        }
+        Ok(ctx)
+    }
+
+    /// The adapter's smallest subgroup size, where its subgroups are runs of consecutive lanes
+    /// whose shuffles work, as a probe kernel checks (reduce.wgsl relies on both); else None,
+    /// and the kernels reduce in workgroup memory.
+    fn probe_subgroups(&self) -> Option<u32> {
+        let smallest = self.adapter.subgroup_sizes.0;
+        let probe = || -> Result<bool> {
+            let ok = self.zeroed("subgroup probe", 64 * 4)?;
+            let dispatch = self.prepare(
+                "subgroup_probe.wgsl",
+                "probe",
+                &[],
+                &[0; 4],
+                &[&ok],
+                [1, 1, 1],
+            )?;
+            self.run(&[&dispatch])?;
+            let lanes: Vec<u32> = bytemuck::pod_collect_to_vec(&self.read_back(&ok, 64 * 4)?);
+            Ok(lanes.iter().all(|lane| *lane == 1))
+        };
+        match probe() {
+            Ok(true) if smallest.is_power_of_two() => Some(smallest),
+            Ok(_) => {
+                log::info!("GPU: subgroups are not runs of consecutive lanes here; not using them");
+                None
+            }
+            Err(e) => {
+                log::info!("GPU: the subgroup probe failed ({e}); not using subgroups");
+                None
+            }
+        }
     }
 
     /// True once the driver reported the device lost.

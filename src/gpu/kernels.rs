@@ -59,7 +59,15 @@ impl GpuContext {
                 "{entry}: {workgroups:?} workgroups exceed the limit {limit}"
             )));
         }
-        let pipeline = self.pipelines.get(&self.device, file, entry, defines)?;
+        // Shaders that include reduce.wgsl reduce with subgroups where the device has them.
+        let mut defines = defines.to_vec();
+        if let Some(smallest) = self.subgroup_min
+            && super::pipelines::shader_source(file)?.contains("#include \"reduce.wgsl\"")
+        {
+            defines.push(("SUBGROUPS", "1".into()));
+            defines.push(("SUBGROUP_MIN", smallest.to_string()));
+        }
+        let pipeline = self.pipelines.get(&self.device, file, entry, &defines)?;
         let params_buffer = self.uniform(entry, bytemuck::cast_slice(params));
         let mut entries = vec![wgpu::BindGroupEntry {
             binding: 0,

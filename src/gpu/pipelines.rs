@@ -15,6 +15,10 @@ pub const SHADERS: &[(&str, &str)] = &[
         include_str!("../../shaders/attention.wgsl"),
     ),
     ("moe.wgsl", include_str!("../../shaders/moe.wgsl")),
+    (
+        "subgroup_probe.wgsl",
+        include_str!("../../shaders/subgroup_probe.wgsl"),
+    ),
     ("experts.wgsl", include_str!("../../shaders/experts.wgsl")),
     ("router.wgsl", include_str!("../../shaders/router.wgsl")),
     (
@@ -28,10 +32,14 @@ pub const SHADERS: &[(&str, &str)] = &[
 ];
 
 /// Compile-time variant switches: `#if NAME` / `#else` / `#endif` blocks and `{{NAME}}` tokens.
+/// Files a shader pulls in with `#include "name"` (not shaders of their own).
+pub const INCLUDES: &[(&str, &str)] = &[("reduce.wgsl", include_str!("../../shaders/reduce.wgsl"))];
+
 pub type Defines<'a> = &'a [(&'a str, String)];
 
 /// Applies `defines` to a WGSL source: lines between `#if NAME` and `#else`/`#endif` stay only
-/// when NAME is defined to something other than "0"; `{{NAME}}` becomes NAME's value.
+/// when NAME is defined to something other than "0"; `{{NAME}}` becomes NAME's value;
+/// `#include "name"` inserts an `INCLUDES` file, preprocessed with the same defines.
 pub fn preprocess(file: &str, source: &str, defines: Defines) -> Result<String> {
     let value = |name: &str| {
         defines
@@ -57,6 +65,14 @@ pub fn preprocess(file: &str, source: &str, defines: Defines) -> Result<String> 
             stack
                 .pop()
                 .ok_or_else(|| Error::Gpu(format!("{file}:{}: #endif without #if", number + 1)))?;
+        } else if let Some(name) = trimmed.strip_prefix("#include ") {
+            if active {
+                let name = name.trim().trim_matches('"');
+                let included = INCLUDES.iter().find(|(n, _)| *n == name).ok_or_else(|| {
+                    Error::Gpu(format!("{file}:{}: no include {name}", number + 1))
+                })?;
+                out.push_str(&preprocess(name, included.1, defines)?);
+            }
         } else if active {
             let mut text = line.to_string();
             for (name, v) in defines {

@@ -243,14 +243,39 @@ pub fn send_signal(child: &std::process::Child, signal: &str) {
 /// for one: `PICCHIO_REQUIRE_GPU=1` (set by .ci/run) turns a missing adapter into a failure, and
 /// `PICCHIO_EXPECT_BACKEND` pins the wgpu backend.
 pub fn gpu(max_binding_bytes: Option<u64>) -> Option<picchio::gpu::GpuContext> {
-    let required = std::env::var("PICCHIO_REQUIRE_GPU").is_ok_and(|v| v == "1");
     let mut options = picchio::gpu::GpuOptions::from_env();
     options.max_binding_bytes = max_binding_bytes;
-    match picchio::gpu::GpuContext::new(&options) {
+    gpu_with(&options)
+}
+
+/// The GPU as `gpu` gives it, then, where it reduces with subgroups, the same adapter without:
+/// the kernel table runs its cases on both.
+pub fn gpu_variants(max_binding_bytes: Option<u64>) -> Vec<picchio::gpu::GpuContext> {
+    let Some(first) = gpu(max_binding_bytes) else {
+        return Vec::new();
+    };
+    let mut variants = Vec::new();
+    if first.subgroup_min.is_some() {
+        let mut options = picchio::gpu::GpuOptions::from_env();
+        options.max_binding_bytes = max_binding_bytes;
+        options.without_subgroups = true;
+        variants.extend(gpu_with(&options));
+    }
+    variants.insert(0, first);
+    variants
+}
+
+fn gpu_with(options: &picchio::gpu::GpuOptions) -> Option<picchio::gpu::GpuContext> {
+    let required = std::env::var("PICCHIO_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    match picchio::gpu::GpuContext::new(options) {
         Ok(ctx) => {
             eprintln!(
-                "GPU adapter: {} ({}, {})",
-                ctx.adapter.name, ctx.adapter.backend, ctx.adapter.device_type
+                "GPU adapter: {} ({}, {}), reductions: {}",
+                ctx.adapter.name,
+                ctx.adapter.backend,
+                ctx.adapter.device_type,
+                ctx.subgroup_min
+                    .map_or("workgroup memory".into(), |n| format!("subgroups of {n}+"))
             );
             if let Ok(expected) = std::env::var("PICCHIO_EXPECT_BACKEND") {
                 assert_eq!(ctx.adapter.backend, expected, "wrong wgpu backend");
