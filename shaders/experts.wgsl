@@ -29,15 +29,18 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> p: Params;
 // The experts over up to four bindings of `per_chunk` experts each (the adapter's binding limit):
-// weights and scales of chunk c at bindings 1 + 2c and 2 + 2c; unused ones repeat chunk 0's.
+// weights and scales of chunk c at bindings 1 + 2c and 2 + 2c. CHUNKED reads several (unused
+// ones repeat chunk 0's); without it, only chunk 0 is bound.
 @group(0) @binding(1) var<storage, read> w0: array<vec4<u32>>;
 @group(0) @binding(2) var<storage, read> scales0: array<u32>;
+#if CHUNKED
 @group(0) @binding(3) var<storage, read> w1: array<vec4<u32>>;
 @group(0) @binding(4) var<storage, read> scales1: array<u32>;
 @group(0) @binding(5) var<storage, read> w2: array<vec4<u32>>;
 @group(0) @binding(6) var<storage, read> scales2: array<u32>;
 @group(0) @binding(7) var<storage, read> w3: array<vec4<u32>>;
 @group(0) @binding(8) var<storage, read> scales3: array<u32>;
+#endif
 @group(0) @binding(9) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(10) var<storage, read> bias: array<f32>;
 @group(0) @binding(11) var<storage, read> ids: array<u32>;
@@ -51,22 +54,30 @@ struct Params {
 
 // Word i of chunk c's weights (the chunk is the same in the whole workgroup).
 fn weight_word(c: u32, i: u32) -> vec4<u32> {
+#if CHUNKED
     switch c {
         case 0u: { return w0[i]; }
         case 1u: { return w1[i]; }
         case 2u: { return w2[i]; }
         default: { return w3[i]; }
     }
+#else
+    return w0[i];
+#endif
 }
 
 // Word i of chunk c's scales.
 fn scale_word(c: u32, i: u32) -> u32 {
+#if CHUNKED
     switch c {
         case 0u: { return scales0[i]; }
         case 1u: { return scales1[i]; }
         case 2u: { return scales2[i]; }
         default: { return scales3[i]; }
     }
+#else
+    return scales0[i];
+#endif
 }
 
 #include "reduce.wgsl"

@@ -41,12 +41,14 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> p: Params;
 #if DENSE_ROWS
-// Up to four consecutive chunks of `chunk_rows` rows each (the adapter's binding limit splits
-// large matrices); unused bindings repeat the first.
+// With CHUNKED, up to four consecutive chunks of `chunk_rows` rows each (the adapter's binding
+// limit splits large matrices; unused bindings repeat the first); else one.
 @group(0) @binding(1) var<storage, read> w4_0: array<vec4<u32>>;
+#if CHUNKED
 @group(0) @binding(2) var<storage, read> w4_1: array<vec4<u32>>;
 @group(0) @binding(3) var<storage, read> w4_2: array<vec4<u32>>;
 @group(0) @binding(4) var<storage, read> w4_3: array<vec4<u32>>;
+#endif
 @group(0) @binding(5) var<storage, read> x: array<f32>;
 @group(0) @binding(6) var<storage, read> bias: array<f32>;
 @group(0) @binding(7) var<storage, read_write> y: array<f32>;
@@ -176,6 +178,7 @@ fn dot8_normed(word: vec4<u32>, xb: u32, c0: u32) -> vec2<f32> {
 
 // Word i of row r (counted from the dispatch's first row) in the chunk bindings.
 fn row_word(r: u32, i: u32) -> vec4<u32> {
+#if CHUNKED
     let at = (r % p.chunk_rows) * (p.cols / 8u) + i;
     switch r / p.chunk_rows {
         case 0u: { return w4_0[at]; }
@@ -183,6 +186,9 @@ fn row_word(r: u32, i: u32) -> vec4<u32> {
         case 2u: { return w4_2[at]; }
         default: { return w4_3[at]; }
     }
+#else
+    return w4_0[r * (p.cols / 8u) + i];
+#endif
 }
 
 @compute @workgroup_size(64)

@@ -67,6 +67,8 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
             &["COMBINE", "MXFP4"],
             &["COMBINE", "INT4"],
             &["SWIGLU", "MXFP4", "SUBGROUPS", "SUBGROUP_MIN=8"],
+            &["SWIGLU", "INT4", "CHUNKED"],
+            &["COMBINE", "MXFP4", "CHUNKED", "SUBGROUPS", "SUBGROUP_MIN=16"],
             &["COMBINE", "INT4", "SUBGROUPS", "SUBGROUP_MIN=64"],
         ],
     ),

@@ -53,6 +53,20 @@ impl GpuContext {
         buffers: &[&wgpu::Buffer],
         workgroups: [u32; 3],
     ) -> Result<Dispatch> {
+        let bound: Vec<(u32, &wgpu::Buffer)> = (1..).zip(buffers.iter().copied()).collect();
+        self.prepare_bound(file, entry, defines, params, &bound, workgroups)
+    }
+
+    /// As `prepare`, with each buffer at the binding it names (a variant may leave some out).
+    pub fn prepare_bound(
+        &self,
+        file: &'static str,
+        entry: &'static str,
+        defines: super::pipelines::Defines,
+        params: &[u32],
+        buffers: &[(u32, &wgpu::Buffer)],
+        workgroups: [u32; 3],
+    ) -> Result<Dispatch> {
         let limit = self.max_workgroups_per_dimension;
         if workgroups.iter().any(|w| *w > limit) {
             return Err(Error::Gpu(format!(
@@ -73,9 +87,9 @@ impl GpuContext {
             binding: 0,
             resource: params_buffer.as_entire_binding(),
         }];
-        for (i, b) in buffers.iter().enumerate() {
+        for (binding, b) in buffers {
             entries.push(wgpu::BindGroupEntry {
-                binding: i as u32 + 1,
+                binding: *binding,
                 resource: b.as_entire_binding(),
             });
         }
@@ -147,6 +161,22 @@ pub enum Output {
 const FUSED_EXPERT_ROWS: usize = 8;
 /// Bindings of expert weights (and as many of scales) experts.wgsl reads.
 const FUSED_EXPERT_CHUNKS: usize = 4;
+/// experts.wgsl's first binding after the weights and scales.
+const FUSED_EXPERT_INPUTS: u32 = 1 + 2 * FUSED_EXPERT_CHUNKS as u32;
+
+/// What a fused expert kernel binds and is compiled with.
+struct FusedOperands<'b> {
+    bound: Vec<(u32, &'b wgpu::Buffer)>,
+    defines: Vec<(&'static str, String)>,
+    per_chunk: usize,
+}
+
+impl<'b> FusedOperands<'b> {
+    /// Binds `buffers` after the weights and scales.
+    fn bind<const N: usize>(&mut self, buffers: [&'b wgpu::Buffer; N]) {
+        self.bound.extend((FUSED_EXPERT_INPUTS..).zip(buffers));
+    }
+}
 
 /// Values in one 16-byte word of bf16/f16 weights (`dense_rows` needs whole words per row).
 const DENSE_WORD_VALUES: usize = 8;
@@ -278,16 +308,26 @@ impl GpuMatrix {
                     0,
                     0,
                 ];
-                let weights = (0..span).map(|c| &spanned.get(c).unwrap_or(&spanned[0]).2);
-                let mut buffers: Vec<&wgpu::Buffer> = weights.collect();
-                buffers.extend([x, bias.unwrap_or(dummy), y]);
-                buffers.extend(norm.as_ref().map(|n| n.weight));
-                ctx.prepare(
+                // dense_rows: weights at 1 (CHUNKED: 1 to 4), the rest from 5; dense from 2.
+                let chunked = span > 1 && self.chunks.len() > 1;
+                let weights = (0..if chunked { span } else { 1 })
+                    .map(|c| &spanned.get(c).unwrap_or(&spanned[0]).2);
+                let mut bound: Vec<(u32, &wgpu::Buffer)> = (1..).zip(weights).collect();
+                let rest = [x, bias.unwrap_or(dummy), y]
+                    .into_iter()
+                    .chain(norm.as_ref().map(|n| n.weight));
+                let first_input = if span > 1 { 1 + DENSE_CHUNKS as u32 } else { 2 };
+                bound.extend((first_input..).zip(rest));
+                let mut defines = defines.clone();
+                if chunked {
+                    defines.push(("CHUNKED", "1".to_string()));
+                }
+                ctx.prepare_bound(
                     "matmul.wgsl",
                     entry,
                     &defines,
                     &params,
-                    &buffers,
+                    &bound,
                     [gx, gy, u32_of(tokens, "tokens")?],
                 )
             })
@@ -520,28 +560,43 @@ impl GpuExperts {
             .collect()
     }
 
-    /// The weights and scales buffers of quantized experts whose rows are whole 32-value groups,
-    /// in the bindings experts.wgsl reads (chunks of equal expert counts; unused bindings repeat
-    /// the first), and the experts per chunk. None where the fused kernels cannot read them
-    /// (float experts, more than `FUSED_EXPERT_CHUNKS` chunks, an adapter with too few storage
-    /// bindings per shader): the caller runs the separate kernels.
-    fn fused_operands(&self, ctx: &GpuContext) -> Option<(Vec<&wgpu::Buffer>, usize)> {
+    /// The weights and scales of quantized experts whose rows are whole 32-value groups, at the
+    /// bindings experts.wgsl reads them from (chunk c at 1 + 2c and 2 + 2c; with several
+    /// chunks, of equal expert counts, the CHUNKED variant, unused bindings repeating the first),
+    /// its defines and the experts per chunk. None where the fused kernels cannot read them
+    /// (float experts, more than `FUSED_EXPERT_CHUNKS` chunks, too few storage bindings per
+    /// shader for the chunked variant): the caller runs the separate kernels.
+    fn fused_operands(&self, ctx: &GpuContext, kernel: &'static str) -> Option<FusedOperands<'_>> {
         let quantized = self.defines[0].0 == "EXPERTS" && self.cols.is_multiple_of(32);
         let bindings = ctx.adapter.max_storage_buffers_per_shader_stage as usize;
         let chunks = self.chunks.len();
-        if !quantized || !(1..=FUSED_EXPERT_CHUNKS).contains(&chunks) || bindings < 13 {
+        let chunked = chunks > 1;
+        if !quantized || !(1..=FUSED_EXPERT_CHUNKS).contains(&chunks) || (chunked && bindings < 13)
+        {
             return None;
         }
         let per_chunk = self.chunks[0].1;
-        let mut operands = Vec::with_capacity(2 * FUSED_EXPERT_CHUNKS);
-        for c in 0..FUSED_EXPERT_CHUNKS {
+        let mut bound = Vec::with_capacity(2 * FUSED_EXPERT_CHUNKS);
+        for c in 0..if chunked { FUSED_EXPERT_CHUNKS } else { 1 } {
             let (first, _, weights, scales) = &self.chunks[if c < chunks { c } else { 0 }];
             if c < chunks && *first != c * per_chunk {
                 return None;
             }
-            operands.extend([weights, scales.as_ref()?]);
+            let at = 1 + 2 * c as u32;
+            bound.extend([(at, weights), (at + 1, scales.as_ref()?)]);
         }
-        Some((operands, per_chunk))
+        let mut defines = vec![
+            (kernel, "1".to_string()),
+            (self.defines[1].0, "1".to_string()),
+        ];
+        if chunked {
+            defines.push(("CHUNKED", "1".to_string()));
+        }
+        Some(FusedOperands {
+            bound,
+            defines,
+            per_chunk,
+        })
     }
 
     /// Parameters of experts.wgsl and its workgroups for `z` along z.
@@ -580,23 +635,19 @@ impl GpuExperts {
         act: &wgpu::Buffer,
         dummy: &wgpu::Buffer,
     ) -> Result<Option<Dispatch>> {
-        let fused = self.fused_operands(ctx);
-        let Some((mut buffers, per_chunk)) = fused.filter(|_| self.rows.is_multiple_of(2)) else {
+        let fused = self.fused_operands(ctx, "SWIGLU");
+        let Some(mut fused) = fused.filter(|_| self.rows.is_multiple_of(2)) else {
             return Ok(None);
         };
-        let shape = (top_k, bias.is_some(), per_chunk);
+        let shape = (top_k, bias.is_some(), fused.per_chunk);
         let (params, groups) = self.fused_params(ctx, shape, alpha_limit, tokens * top_k)?;
-        let defines = [
-            ("SWIGLU", "1".to_string()),
-            (self.defines[1].0, "1".to_string()),
-        ];
-        buffers.extend([x, bias.unwrap_or(dummy), ids, act]);
-        ctx.prepare(
+        fused.bind([x, bias.unwrap_or(dummy), ids, act]);
+        ctx.prepare_bound(
             "experts.wgsl",
             "gate_up_swiglu",
-            &defines,
+            &fused.defines,
             &params,
-            &buffers,
+            &fused.bound,
             groups,
         )
         .map(Some)
@@ -615,22 +666,18 @@ impl GpuExperts {
         hidden: &wgpu::Buffer,
         dummy: &wgpu::Buffer,
     ) -> Result<Option<Dispatch>> {
-        let Some((mut buffers, per_chunk)) = self.fused_operands(ctx) else {
+        let Some(mut fused) = self.fused_operands(ctx, "COMBINE") else {
             return Ok(None);
         };
-        let shape = (top_k, bias.is_some(), per_chunk);
+        let shape = (top_k, bias.is_some(), fused.per_chunk);
         let (params, groups) = self.fused_params(ctx, shape, (0.0, 0.0), tokens)?;
-        let defines = [
-            ("COMBINE", "1".to_string()),
-            (self.defines[1].0, "1".to_string()),
-        ];
-        buffers.extend([act, bias.unwrap_or(dummy), ids, route_weights, hidden]);
-        ctx.prepare(
+        fused.bind([act, bias.unwrap_or(dummy), ids, route_weights, hidden]);
+        ctx.prepare_bound(
             "experts.wgsl",
             "down_combine",
-            &defines,
+            &fused.defines,
             &params,
-            &buffers,
+            &fused.bound,
             groups,
         )
         .map(Some)
