@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 use crate::experts::{ExpertStats, RamBudget, VramBudget};
+use crate::gpu::profile::{KernelRow, decode_profile};
 use crate::model::generate::{BackendChoice, GenerateOptions, Runtime, Session, generate_observed};
 use crate::model::gpu_tier::{GpuCounters, GpuTierOptions, MissPolicy, vram_bytes_per_expert};
 use crate::model::{Model, ModelOptions};
@@ -31,6 +32,8 @@ pub struct BenchOptions {
     /// Measure the machine's read bandwidth and judge decode against it; also time the
     /// prefill of a 512-token prompt.
     pub roofline: bool,
+    /// GPU runs: decode again with every kernel timed, for a per-kernel table (`BenchRun::profile`).
+    pub profile: bool,
     /// How the CPU tier holds dense weights in every run.
     pub dense_format: crate::cpu::q8::DenseFormat,
     /// How the CPU tier multiplies MXFP4 experts with their inputs in every run.
@@ -146,6 +149,9 @@ pub struct BenchRun {
     /// far apart by `roofline_fraction`); each read here follows a token, so both see the same
     /// minutes.
     pub interleaved_roofline_fraction: Option<f64>,
+    /// Per-kernel device time of the decode, from a second, profiled decode of the same prompt
+    /// (`--profile`, GPU runs on adapters with timestamps).
+    pub profile: Option<Vec<KernelRow>>,
 }
 
 /// Decode speed and memory bandwidth measured in turns: see
@@ -443,6 +449,11 @@ pub fn run_bench(
             _ => None,
         };
         drop(session);
+        let profile = if options.profile && on_gpu {
+            profiled_decode(&runtime, &model, &ids, &generate_options)?
+        } else {
+            None
+        };
         // The limit of the memory this run's weights live in: the adapter's where every expert
         // the decode used was in VRAM, none where the CPU tier ran some.
         let all_in_vram = decode.vram_hits == decode.requests;
@@ -530,6 +541,7 @@ pub fn run_bench(
                 .as_ref()
                 .map(|i| i.bandwidth_bytes_per_s),
             interleaved_roofline_fraction: interleaved.as_ref().map(|i| i.roofline_fraction),
+            profile,
         });
         progress(done + 1, configurations.len());
     }
@@ -567,6 +579,34 @@ pub fn run_bench(
 
 /// The GPU's read bandwidth, measured on a device of its own (dropped before the model loads);
 /// None, with the reason in the log, where there is no usable adapter.
+/// The prompt decoded again in a session whose every kernel is timed: the decode's per-kernel
+/// table (None where the adapter has no timestamps, with a warning).
+fn profiled_decode(
+    runtime: &Runtime,
+    model: &Model,
+    ids: &[u32],
+    options: &GenerateOptions,
+) -> Result<Option<Vec<KernelRow>>> {
+    let mut session = match runtime.profiled_session(options.context) {
+        Ok(session) => session,
+        Err(e) => {
+            log::warn!("--profile: {e}");
+            return Ok(None);
+        }
+    };
+    let mut profiles = Vec::new();
+    let out = generate_observed(
+        &mut session,
+        &model.config,
+        ids,
+        options,
+        &mut |session, _| {
+            profiles.push(session.gpu_profile());
+        },
+    )?;
+    Ok(decode_profile(&profiles, out.decode_tokens))
+}
+
 fn measure_gpu_bandwidth() -> Option<crate::gpu::bandwidth::GpuBandwidth> {
     let measured = crate::gpu::GpuContext::new(&crate::gpu::GpuOptions::from_env())
         .and_then(|ctx| crate::gpu::bandwidth::measure(&ctx));

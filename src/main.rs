@@ -173,62 +173,6 @@ struct PromptArgs {
     gpu: GpuArgs,
 }
 
-/// One kernel's share of a decoded token on the GPU (`generate --profile`).
-#[derive(serde::Serialize)]
-struct KernelRow {
-    kernel: String,
-    calls_per_token: f64,
-    ms_per_token: f64,
-    /// Of the device time every stamped kernel took.
-    share: f64,
-}
-
-/// The decode phase's per-kernel times from the profiles at the end of the prefill and of the
-/// run (the whole run's when nothing was decoded), busiest first; None without a GPU profile.
-fn decode_profile(
-    profiles: &[Option<picchio::gpu::profile::GpuProfile>],
-    decoded: usize,
-) -> Option<Vec<KernelRow>> {
-    let (profile, tokens) = match profiles {
-        [Some(prefill), Some(end)] if decoded > 0 => (end.since(prefill), decoded),
-        [.., Some(last)] => (last.clone(), 1),
-        _ => return None,
-    };
-    if profile.unstamped > 0 {
-        log::warn!("--profile: {} dispatches were not timed", profile.unstamped);
-    }
-    let total = profile.total_ns().max(f64::MIN_POSITIVE);
-    let mut rows: Vec<KernelRow> = (profile.kernels.iter())
-        .map(|(kernel, time)| KernelRow {
-            kernel: kernel.clone(),
-            calls_per_token: time.calls as f64 / tokens as f64,
-            ms_per_token: time.ns / 1e6 / tokens as f64,
-            share: time.ns / total,
-        })
-        .collect();
-    rows.sort_by(|a, b| b.ms_per_token.total_cmp(&a.ms_per_token));
-    Some(rows)
-}
-
-/// The profile as a table on stderr (stdout keeps the ids).
-fn print_profile(rows: &[KernelRow]) {
-    eprintln!(
-        "{:<34} {:>10} {:>12} {:>7}",
-        "kernel", "calls/tok", "ms/token", "share"
-    );
-    for row in rows {
-        eprintln!(
-            "{:<34} {:>10.1} {:>12.3} {:>6.1}%",
-            row.kernel,
-            row.calls_per_token,
-            row.ms_per_token,
-            100.0 * row.share
-        );
-    }
-    let total: f64 = rows.iter().map(|r| r.ms_per_token).sum();
-    eprintln!("{:<34} {:>10} {:>12.3}", "all kernels", "", total);
-}
-
 /// How the GPU tier holds the model: shared by every command that runs a session.
 #[derive(clap::Args)]
 struct GpuArgs {
@@ -580,6 +524,11 @@ enum Command {
         /// time a 512-token prefill, and (CPU tier) decode in turns with reads of the LM head.
         #[arg(long)]
         roofline: bool,
+        /// GPU runs: after each timed run, decode the same prompt again with every kernel timed
+        /// (timestamp queries) and add its per-kernel table ("profile") to the run's results.
+        /// The timed figures stay those of the unprofiled run.
+        #[arg(long)]
+        profile: bool,
         /// How the CPU tier holds the dense weights in every run: checkpoint (exact) or q8.
         #[arg(long, default_value = "checkpoint", value_name = "checkpoint|q8")]
         dense_format: picchio::cpu::q8::DenseFormat,
@@ -731,7 +680,7 @@ fn run(cli: Cli) -> Result<()> {
             let interrupted = out.stop == picchio::model::generate::StopReason::Interrupted;
             let ran_on = session.backend();
             loaded.experts.save_usage();
-            let kernel_times = decode_profile(&profiles, out.decode_tokens);
+            let kernel_times = picchio::gpu::profile::decode_profile(&profiles, out.decode_tokens);
             if let Some(rate) = out.decode_tokens_per_s() {
                 log::info!(
                     "{ran_on}: prefill {:.1} ms, decode {rate:.2} tokens/s",
@@ -845,7 +794,7 @@ fn run(cli: Cli) -> Result<()> {
                 println!();
             }
             if let Some(rows) = &kernel_times {
-                print_profile(rows);
+                picchio::gpu::profile::print_profile(rows);
             }
             if interrupted {
                 log::warn!("interrupted after {} tokens", out.generated_ids.len());
@@ -873,6 +822,7 @@ fn run(cli: Cli) -> Result<()> {
             gen_tokens,
             seed,
             roofline,
+            profile,
             dense_format,
             expert_activations,
             mmap,
@@ -893,6 +843,7 @@ fn run(cli: Cli) -> Result<()> {
                 gen_tokens,
                 seed,
                 roofline,
+                profile,
                 dense_format,
                 expert_activations,
                 mmap,

@@ -89,6 +89,7 @@ fn bench_sweeps_budgets_and_writes_csv_and_plot() {
         gen_tokens: 6,
         seed: 3,
         roofline: false,
+        profile: false,
         dense_format: Default::default(),
         expert_activations: Default::default(),
         mmap: Default::default(),

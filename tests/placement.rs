@@ -179,9 +179,9 @@ fn prompt_blocks_with_a_vram_cache_give_the_same_tokens() {
 fn bench_sweeps_vram_budgets() {
     use picchio::bench::{BenchOptions, plot_svg, run_bench, to_csv};
     use picchio::model::generate::BackendChoice;
-    if gpu(None).is_none() {
+    let Some(ctx) = gpu(None) else {
         return;
-    }
+    };
     // A copy: bench saves expert usage beside the model.
     let dir = copy_fixture("tiny-long");
     let options = BenchOptions {
@@ -197,12 +197,25 @@ fn bench_sweeps_vram_budgets() {
         gen_tokens: 6,
         seed: 3,
         roofline: false,
+        profile: true,
         dense_format: Default::default(),
         expert_activations: Default::default(),
         mmap: Default::default(),
     };
     let runs = run_bench(&options, &mut |_, _| {}).unwrap();
     assert_eq!(runs.len(), 2);
+    // --profile: each run's per-kernel table, with bytes where they do not depend on the step.
+    if ctx.timestamps {
+        let rows = runs[1]
+            .profile
+            .as_ref()
+            .expect("a profile of the resident run");
+        let row = |kernel: &str| rows.iter().find(|r| r.kernel == kernel).unwrap();
+        let experts = row("experts.wgsl:gate_up_swiglu");
+        assert!(experts.calls_per_token > 0.0 && experts.gb_per_s.unwrap() > 0.0);
+        assert_eq!(row("attention.wgsl:attend").gb_per_s, None);
+        assert!(runs[0].profile.is_some(), "attention still runs on the GPU");
+    }
     assert!(runs.iter().all(|r| r.backend == "gpu"));
     // No VRAM cache: every expert runs on the CPU from RAM; all resident: every one is a hit.
     assert_eq!(runs[0].vram_budget_bytes, Some(0));

@@ -7,7 +7,8 @@
 # 2. checks the GPU tier against the CPU tier on every fixture (`picchio ab`: same tokens),
 # 3. benches decode and prefill at VRAM budgets 100%, 50%, 25% and 0% with the roofline
 #    (`picchio bench --backend gpu --roofline --json`): tokens/s, the adapter's own read
-#    bandwidth, roofline fraction, dispatches, submissions and readbacks per token,
+#    bandwidth, roofline fraction, dispatches, submissions and readbacks per token, and
+#    (`--profile`, where the adapter has timestamps) each run's per-kernel time and GB/s,
 # 4. and `generate --stats` once fully resident, for the GPU counters of one run, and
 #    `generate --profile` for the time of each kernel (where the adapter has timestamps).
 #
@@ -68,8 +69,12 @@ else
     prompt=64 gen=32
 fi
 
+# --profile adds each run's per-kernel table (a second, profiled decode) where the adapter has
+# timestamp queries.
+profile_flag=""
+if grep -q '"timestamp_query":true' "$out/devices.json"; then profile_flag="--profile"; fi
 run "$bin" bench --model "$model" --backend gpu --vram-budgets 100%,50%,25%,0 \
-    --prompt-tokens "$prompt" --gen-tokens "$gen" --roofline --json > "$out/bench.json"
+    --prompt-tokens "$prompt" --gen-tokens "$gen" --roofline $profile_flag --json > "$out/bench.json"
 run "$bin" generate --model "$model" --backend gpu --vram-budget 100% --ids 1,2,3,4,5,6,7,8 \
     --max-new-tokens "$gen" --ignore-eos --stats --json > "$out/generate-resident.json"
 # Per-kernel device time, where the adapter has timestamp queries (a run of its own: profiling
@@ -89,7 +94,8 @@ for path in sorted(glob.glob(os.path.join(out, "ab-*.json"))):
 profile = os.path.join(out, "profile-resident.json")
 if os.path.exists(profile):
     for row in json.load(open(profile))["profile"][:8]:
-        print(f"{row['kernel']:<32} {row['calls_per_token']:7.1f} calls {row['ms_per_token']:9.3f} ms/token {row['share']:6.1%}")
+        rate = "-" if row.get("gb_per_s") is None else f"{row['gb_per_s']:.1f} GB/s"
+        print(f"{row['kernel']:<32} {row['calls_per_token']:7.1f} calls {row['ms_per_token']:9.3f} ms/token {row['share']:6.1%} {rate}")
 runs = json.load(open(os.path.join(out, "bench.json")))["runs"]
 number = lambda x, f: "-" if x is None else format(x, f)
 print("| VRAM budget | prefill tok/s | decode tok/s | prefill 512 / decode | roofline | dispatches/token | submits/token | readbacks/token |")

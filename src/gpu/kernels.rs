@@ -27,9 +27,18 @@ pub struct Dispatch {
     _params: wgpu::Buffer,
     /// `file:entry`, for the debug mode's log.
     pub label: String,
+    /// What the launch must move at least (weights once, inputs and outputs), for a profile's
+    /// GB/s; 0 where that depends on the step (attention's cache reads).
+    pub bytes: u64,
 }
 
 impl Dispatch {
+    /// This launch, moving `bytes` at least.
+    pub fn moving(mut self, bytes: u64) -> Dispatch {
+        self.bytes = bytes;
+        self
+    }
+
     pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
         pass.set_pipeline(&self.pipeline);
         pass.set_bind_group(0, &self.bind_group, &[]);
@@ -104,6 +113,7 @@ impl GpuContext {
             workgroups,
             _params: params_buffer,
             label: format!("{file}:{entry}"),
+            bytes: 0,
         })
     }
 
@@ -322,14 +332,17 @@ impl GpuMatrix {
                 if chunked {
                     defines.push(("CHUNKED", "1".to_string()));
                 }
-                ctx.prepare_bound(
+                let weight_bytes = rows * self.cols * self.format.size();
+                let bytes = weight_bytes + 4 * tokens * (self.cols + rows);
+                let dispatch = ctx.prepare_bound(
                     "matmul.wgsl",
                     entry,
                     &defines,
                     &params,
                     &bound,
                     [gx, gy, u32_of(tokens, "tokens")?],
-                )
+                )?;
+                Ok(dispatch.moving(bytes as u64))
             })
             .collect()
     }
@@ -548,14 +561,22 @@ impl GpuExperts {
                     Some(scales) => head.into_iter().chain([scales, ids]).collect(),
                     None => head.into_iter().chain([ids]).collect(),
                 };
-                ctx.prepare(
+                // Each chunk's share of the routed experts is unknown here: counted once, in
+                // the first chunk.
+                let bytes = if *first == 0 {
+                    self.routed_bytes(pairs)
+                } else {
+                    0
+                };
+                let dispatch = ctx.prepare(
                     "matmul.wgsl",
                     entry,
                     &self.defines,
                     &params,
                     &buffers,
                     [gx, gy, u32_of(pairs, "pairs")?],
-                )
+                )?;
+                Ok(dispatch.moving(bytes as u64))
             })
             .collect()
     }
@@ -642,6 +663,7 @@ impl GpuExperts {
         let shape = (top_k, bias.is_some(), fused.per_chunk);
         let (params, groups) = self.fused_params(ctx, shape, alpha_limit, tokens * top_k)?;
         fused.bind([x, bias.unwrap_or(dummy), ids, act]);
+        let bytes = self.routed_bytes(tokens * top_k) + 4 * tokens * self.cols;
         ctx.prepare_bound(
             "experts.wgsl",
             "gate_up_swiglu",
@@ -650,7 +672,7 @@ impl GpuExperts {
             &fused.bound,
             groups,
         )
-        .map(Some)
+        .map(|dispatch| Some(dispatch.moving(bytes as u64)))
     }
 
     /// `hidden[t] +=` the sum over token t's slots, in ascending expert id, of
@@ -672,6 +694,7 @@ impl GpuExperts {
         let shape = (top_k, bias.is_some(), fused.per_chunk);
         let (params, groups) = self.fused_params(ctx, shape, (0.0, 0.0), tokens)?;
         fused.bind([act, bias.unwrap_or(dummy), ids, route_weights, hidden]);
+        let bytes = self.routed_bytes(tokens * top_k) + 8 * tokens * self.rows;
         ctx.prepare_bound(
             "experts.wgsl",
             "down_combine",
@@ -680,7 +703,14 @@ impl GpuExperts {
             &fused.bound,
             groups,
         )
-        .map(Some)
+        .map(|dispatch| Some(dispatch.moving(bytes as u64)))
+    }
+
+    /// Weight bytes `pairs` routed (token, slot) pairs read at least (each distinct expert once,
+    /// at most every expert), with each pair's output.
+    fn routed_bytes(&self, pairs: usize) -> usize {
+        let experts = pairs.min(self.experts);
+        experts * self.bytes_per_expert() + 4 * pairs * self.rows
     }
 
     pub fn chunk_count(&self) -> usize {
@@ -708,14 +738,15 @@ pub fn prepare_rms_norm(
     y: &wgpu::Buffer,
 ) -> Result<Dispatch> {
     let params = [u32_of(cols, "cols")?, eps.to_bits(), 0, 0];
-    ctx.prepare(
+    let dispatch = ctx.prepare(
         "norm.wgsl",
         "rms_norm",
         &[],
         &params,
         &[x, w, y],
         [u32_of(rows, "rows")?, 1, 1],
-    )
+    )?;
+    Ok(dispatch.moving((4 * (2 * rows + 1) * cols) as u64))
 }
 
 impl GpuContext {
@@ -937,15 +968,17 @@ pub fn prepare_route_normed(
         router.bias,
     ];
     let groups = [u32_of(tokens, "tokens")?, 1, 1];
-    ctx.prepare(
+    let router_bytes = router.matrix.rows * router.matrix.cols * router.matrix.format.size();
+    let bytes = router_bytes + 4 * tokens * (2 * router.matrix.cols + router.matrix.rows);
+    let dispatch = ctx.prepare(
         "router.wgsl",
         "route_normed",
         &defines,
         &params,
         &buffers,
         groups,
-    )
-    .map(Some)
+    )?;
+    Ok(Some(dispatch.moving(bytes as u64)))
 }
 
 /// Clamped SwiGLU of `rows` interleaved gate/up rows of `2 * width` into `[rows, width]`.
@@ -1061,12 +1094,13 @@ pub fn prepare_top_k(
 ) -> Result<Dispatch> {
     let params = elementwise_params(count, 0, (0, k), 1)?;
     let defines = [("SELECT", "1".to_string())];
-    ctx.prepare(
+    let dispatch = ctx.prepare(
         "elementwise.wgsl",
         "top_k",
         &defines,
         &params,
         &[values, result],
         [1, 1, 1],
-    )
+    )?;
+    Ok(dispatch.moving((4 * count + 8 * k) as u64))
 }

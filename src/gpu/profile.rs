@@ -18,6 +18,8 @@ const CAPACITY: u32 = 2048;
 pub struct KernelTime {
     pub calls: u64,
     pub ns: f64,
+    /// What the calls moved at least (`Dispatch::bytes`; 0 where not estimated).
+    pub bytes: u64,
 }
 
 /// Per-kernel totals (by `file:entry`), cumulative like the GPU counters.
@@ -37,6 +39,7 @@ impl GpuProfile {
                 let time = KernelTime {
                     calls: now.calls - before.calls,
                     ns: now.ns - before.ns,
+                    bytes: now.bytes - before.bytes,
                 };
                 (label.clone(), time)
             })
@@ -57,8 +60,9 @@ impl GpuProfile {
 pub struct Profiler {
     queries: wgpu::QuerySet,
     resolved: wgpu::Buffer,
-    /// The kernel each stamped pair belongs to, in this submission.
-    pending: Vec<String>,
+    /// The kernel each stamped pair belongs to, and the bytes its dispatch moves, in this
+    /// submission.
+    pending: Vec<(String, u64)>,
     /// Nanoseconds per timestamp tick.
     period_ns: f64,
     pub profile: GpuProfile,
@@ -98,14 +102,14 @@ impl Profiler {
     pub fn pass<'e>(
         &mut self,
         encoder: &'e mut wgpu::CommandEncoder,
-        label: &str,
+        (label, bytes): (&str, u64),
     ) -> wgpu::ComputePass<'e> {
         let index = self.pending.len() as u32;
         if index >= CAPACITY {
             self.profile.unstamped += 1;
             return encoder.begin_compute_pass(&Default::default());
         }
-        self.pending.push(label.to_string());
+        self.pending.push((label.to_string(), bytes));
         encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
             label: None,
             timestamp_writes: Some(wgpu::ComputePassTimestampWrites {
@@ -132,11 +136,81 @@ impl Profiler {
         }
         let bytes = ctx.read_back(&self.resolved, self.pending.len() as u64 * 16)?;
         let stamps: Vec<u64> = bytemuck::pod_collect_to_vec(&bytes);
-        for (label, pair) in self.pending.drain(..).zip(stamps.chunks_exact(2)) {
+        for ((label, bytes), pair) in self.pending.drain(..).zip(stamps.chunks_exact(2)) {
             let kernel = self.profile.kernels.entry(label).or_default();
             kernel.calls += 1;
+            kernel.bytes += bytes;
             kernel.ns += pair[1].saturating_sub(pair[0]) as f64 * self.period_ns;
         }
         Ok(())
     }
+}
+
+/// One kernel's share of a decoded token on the GPU (`generate --profile`, `bench --profile`).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct KernelRow {
+    pub kernel: String,
+    pub calls_per_token: f64,
+    pub ms_per_token: f64,
+    /// Of the device time every stamped kernel took.
+    pub share: f64,
+    /// What the kernel moved per token at least (weights once, inputs, outputs); null where not
+    /// estimated (attention, whose cache reads grow with the position).
+    pub mb_per_token: Option<f64>,
+    /// `mb_per_token` over `ms_per_token`.
+    pub gb_per_s: Option<f64>,
+}
+
+/// The decode phase's per-kernel times from the profiles at the end of the prefill and of the
+/// run (the whole run's when nothing was decoded), busiest first; None without a GPU profile.
+pub fn decode_profile(profiles: &[Option<GpuProfile>], decoded: usize) -> Option<Vec<KernelRow>> {
+    let (profile, tokens) = match profiles {
+        [Some(prefill), Some(end)] if decoded > 0 => (end.since(prefill), decoded),
+        [.., Some(last)] => (last.clone(), 1),
+        _ => return None,
+    };
+    if profile.unstamped > 0 {
+        log::warn!("--profile: {} dispatches were not timed", profile.unstamped);
+    }
+    let total = profile.total_ns().max(f64::MIN_POSITIVE);
+    let tokens = tokens as f64;
+    let mut rows: Vec<KernelRow> = (profile.kernels.iter())
+        .map(|(kernel, time)| {
+            let moved = (time.bytes > 0).then_some(time.bytes as f64);
+            KernelRow {
+                kernel: kernel.clone(),
+                calls_per_token: time.calls as f64 / tokens,
+                ms_per_token: time.ns / 1e6 / tokens,
+                share: time.ns / total,
+                mb_per_token: moved.map(|b| b / 1e6 / tokens),
+                gb_per_s: moved.map(|b| b / time.ns.max(f64::MIN_POSITIVE)),
+            }
+        })
+        .collect();
+    rows.sort_by(|a, b| b.ms_per_token.total_cmp(&a.ms_per_token));
+    Some(rows)
+}
+
+/// The profile as a table on stderr (stdout keeps the ids).
+pub fn print_profile(rows: &[KernelRow]) {
+    eprintln!(
+        "{:<34} {:>10} {:>12} {:>7} {:>10} {:>8}",
+        "kernel", "calls/tok", "ms/token", "share", "MB/token", "GB/s"
+    );
+    let or_dash = |v: Option<f64>, precision: usize| {
+        v.map_or("-".to_string(), |v| format!("{v:.precision$}"))
+    };
+    for row in rows {
+        eprintln!(
+            "{:<34} {:>10.1} {:>12.3} {:>6.1}% {:>10} {:>8}",
+            row.kernel,
+            row.calls_per_token,
+            row.ms_per_token,
+            100.0 * row.share,
+            or_dash(row.mb_per_token, 1),
+            or_dash(row.gb_per_s, 1)
+        );
+    }
+    let total: f64 = rows.iter().map(|r| r.ms_per_token).sum();
+    eprintln!("{:<34} {:>10} {:>12.3}", "all kernels", "", total);
 }

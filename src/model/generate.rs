@@ -385,12 +385,33 @@ impl<'m> Runtime<'m> {
     /// runtime; a device lost since, or one without room for the session's own buffers, gives a
     /// CPU session unless the runtime was opened with `Gpu`.
     pub fn session(&self, context: usize, keep_all: bool) -> Result<FallbackSession<'m>> {
+        self.session_with(context, keep_all, self.options.profile)
+    }
+
+    /// A session of this runtime's GPU whose every kernel is timed (`bench --profile`); an error
+    /// where the runtime is not on the GPU or the adapter has no timestamps.
+    pub fn profiled_session(&self, context: usize) -> Result<FallbackSession<'m>> {
+        if self.gpu.is_none() {
+            return Err(Error::InvalidArgument(
+                "a profile times GPU kernels; this runtime is on the CPU tier".into(),
+            ));
+        }
+        self.session_with(context, false, true)
+    }
+
+    fn session_with(
+        &self,
+        context: usize,
+        keep_all: bool,
+        profile: bool,
+    ) -> Result<FallbackSession<'m>> {
         let Some(weights) = &self.gpu else {
             return Ok(FallbackSession::cpu(self.model, context, keep_all));
         };
         let options = GpuTierOptions {
             context,
             keep_all_positions: keep_all,
+            profile,
             ..self.options.clone()
         };
         let gpu = if weights.ctx.is_lost() {

@@ -286,7 +286,7 @@ fn record(
             if let Some(profiler) = profiler.as_deref_mut() {
                 // A stamped pass of its own.
                 pass = None;
-                dispatch.record(&mut profiler.pass(encoder, &dispatch.label));
+                dispatch.record(&mut profiler.pass(encoder, (&dispatch.label, dispatch.bytes)));
             } else {
                 let p = pass.get_or_insert_with(|| {
                     encoder
