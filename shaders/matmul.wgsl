@@ -5,8 +5,8 @@
 //   y[t][row_offset + r] += that instead (the output projection adds into the residual).
 // Entry `dense_rows` (DENSE_ROWS, BF16 or F16, `in` a multiple of 8): the same, ROWS rows per
 //   workgroup, each read by WG / ROWS lanes in 16-byte words (8 values), so that neighbouring
-//   lanes read neighbouring words and no load is half wasted; one dispatch reads up to four
-//   chunks of a split matrix. With NORMED, x[t] is RMSNorm'ed
+//   lanes read neighbouring words and no load is half wasted; TOKENS tokens per workgroup share
+//   each weight load; one dispatch reads up to four chunks of a split matrix. With NORMED, x[t] is RMSNorm'ed
 //   (weights norm_weight, p.eps) on the way in: W[r] . (norm_weight * x[t]) times x[t]'s inverse
 //   RMS, whose sum of squares the row's lanes gather from the values they read anyway, so the
 //   norm costs no pass of its own.
@@ -31,7 +31,7 @@ struct Params {
     expert_first: u32,
     expert_count: u32,
     x_div: u32,         // x row of pair p is p / x_div
-    pairs: u32,
+    pairs: u32,         // pairs (experts); tokens (dense_rows)
     accumulate: u32,    // dense: add the row into y instead of storing it
     eps: f32,           // NORMED
     chunk_rows: u32,    // DENSE_ROWS: rows per weight binding
@@ -135,6 +135,9 @@ fn dense(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) 
 #if DENSE_ROWS
 const ROWS: u32 = 4u;
 const LANES: u32 = WG / ROWS;
+// Tokens one workgroup multiplies each weight word with (1 in decode; a prompt block's tokens
+// share each load).
+const TOKENS: u32 = {{TOKENS}}u;
 
 // The two values of one 32-bit word, low half first.
 fn unpack_pair(word: u32) -> vec2<f32> {
@@ -146,34 +149,19 @@ fn unpack_pair(word: u32) -> vec2<f32> {
 #endif
 }
 
-// Eight weights (one 16-byte word) times x[xb .. xb + 8].
-fn dot8(word: vec4<u32>, xb: u32) -> f32 {
-    var sum = 0.0;
+// The eight weights of one 16-byte word.
+fn unpack8(word: vec4<u32>) -> array<f32, 8> {
+    var values: array<f32, 8>;
     for (var k = 0u; k < 4u; k = k + 1u) {
         let pair = unpack_pair(word[k]);
-        sum = sum + pair.x * x[xb + 2u * k] + pair.y * x[xb + 2u * k + 1u];
+        values[2u * k] = pair.x;
+        values[2u * k + 1u] = pair.y;
     }
-    return sum;
+    return values;
 }
 
 #if NORMED
 @group(0) @binding(8) var<storage, read> norm_weight: array<f32>;
-
-// dot8 of norm_weight * x (columns c0 .. c0 + 8), and the sum of the x values' squares.
-fn dot8_normed(word: vec4<u32>, xb: u32, c0: u32) -> vec2<f32> {
-    var sum = 0.0;
-    var squares = 0.0;
-    for (var k = 0u; k < 8u; k = k + 1u) {
-        let v = x[xb + k];
-        squares = squares + v * v;
-    }
-    for (var k = 0u; k < 4u; k = k + 1u) {
-        let pair = unpack_pair(word[k]);
-        let c = c0 + 2u * k;
-        sum = sum + pair.x * (norm_weight[c] * x[xb + 2u * k]) + pair.y * (norm_weight[c + 1u] * x[xb + 2u * k + 1u]);
-    }
-    return vec2<f32>(sum, squares);
-}
 #endif
 
 // Word i of row r (counted from the dispatch's first row) in the chunk bindings.
@@ -196,32 +184,45 @@ fn dense_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     let slot = lid / LANES;
     let lane = lid % LANES;
     let r = (wg.x + wg.y * p.groups_x) * ROWS + slot;
-    let t = wg.z;
+    let first = wg.z * TOKENS;
     let words = p.cols / 8u;
-    var acc = 0.0;
-    var squares = 0.0;
+    // Per token of the workgroup's batch: the partial product, and (NORMED) of squares.
+    var acc: array<f32, TOKENS>;
+    var squares: array<f32, TOKENS>;
     if (r < p.rows) {
-        let xb = t * p.x_stride;
         for (var i = lane; i < words; i = i + LANES) {
+            // One load and one unpacking of the word for every token of the batch.
+            let weights = unpack8(row_word(r, i));
+            for (var t = 0u; t < TOKENS; t = t + 1u) {
+                if (first + t >= p.pairs) {
+                    break;
+                }
+                let xb = (first + t) * p.x_stride + 8u * i;
+                for (var k = 0u; k < 8u; k = k + 1u) {
+                    let v = x[xb + k];
 #if NORMED
-            let part = dot8_normed(row_word(r, i), xb + 8u * i, 8u * i);
-            acc = acc + part.x;
-            squares = squares + part.y;
+                    acc[t] = acc[t] + weights[k] * (norm_weight[8u * i + k] * v);
+                    squares[t] = squares[t] + v * v;
 #else
-            acc = acc + dot8(row_word(r, i), xb + 8u * i);
+                    acc[t] = acc[t] + weights[k] * v;
 #endif
+                }
+            }
         }
     }
-    // Each row's lanes sum their partial products (every lane reaches every barrier).
-    var total = reduce_lanes(lid, LANES, acc);
+    // Each row's lanes sum their partial products (every lane reaches every barrier; each
+    // reduction's sums are read before the next one reuses `partial`).
+    for (var t = 0u; t < TOKENS; t = t + 1u) {
+        var total = reduce_lanes(lid, LANES, acc[t]);
+        workgroupBarrier();
 #if NORMED
-    // Every lane has read its sum before the second reduction reuses `partial`.
-    workgroupBarrier();
-    let inv = 1.0 / sqrt(reduce_lanes(lid, LANES, squares) / f32(p.cols) + p.eps);
-    total = total * inv;
+        let inv = 1.0 / sqrt(reduce_lanes(lid, LANES, squares[t]) / f32(p.cols) + p.eps);
+        total = total * inv;
+        workgroupBarrier();
 #endif
-    if (lane == 0u && r < p.rows) {
-        write_dense_row(t, r, total);
+        if (lane == 0u && r < p.rows && first + t < p.pairs) {
+            write_dense_row(first + t, r, total);
+        }
     }
 }
 #endif

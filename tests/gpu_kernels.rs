@@ -23,17 +23,20 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
             &["DENSE", "BF16"],
             &["DENSE", "F16"],
             &["DENSE", "F32"],
-            &["DENSE_ROWS", "BF16"],
-            &["DENSE_ROWS", "F16"],
-            &["DENSE_ROWS", "BF16", "NORMED"],
-            &["DENSE_ROWS", "F16", "NORMED"],
+            &["DENSE_ROWS", "BF16", "TOKENS=1"],
+            &["DENSE_ROWS", "F16", "TOKENS=8"],
+            &["DENSE_ROWS", "BF16", "NORMED", "TOKENS=8"],
+            &["DENSE_ROWS", "F16", "NORMED", "TOKENS=1"],
             &[
                 "DENSE_ROWS",
                 "BF16",
                 "NORMED",
                 "SUBGROUPS",
                 "SUBGROUP_MIN=8",
+                "TOKENS=8",
             ],
+            &["DENSE_ROWS", "F16", "CHUNKED", "TOKENS=1"],
+            &["DENSE_ROWS", "BF16", "NORMED", "CHUNKED", "TOKENS=8"],
             &["DENSE", "F32", "SUBGROUPS", "SUBGROUP_MIN=32"],
             &[
                 "EXPERTS",
@@ -225,6 +228,8 @@ fn dense_matmul_matches_cpu() {
             check_dense(&ctx, "odd", 130, 65, 5, format, true);
             // Whole 16-byte words per row (dense_rows for bf16/f16), rows not a multiple of 4.
             check_dense(&ctx, "words", 131, 72, 2, format, true);
+            // A prompt block over two batches of 8 tokens.
+            check_dense(&ctx, "block", 131, 72, 11, format, true);
         }
         // A real GPT-OSS projection (q_proj of 20B/120B).
         check_dense(&ctx, "q_proj", 4096, 2880, 1, FloatFormat::Bf16, true);
@@ -862,6 +867,7 @@ fn dense_matmul_takes_its_input_norm_in() {
         let mut cases = vec![
             (FloatFormat::Bf16, (131, 72, 2)),
             (FloatFormat::F16, (64, 96, 3)),
+            (FloatFormat::Bf16, (40, 64, 10)),
         ];
         if binding_limit.is_none() {
             cases.push((FloatFormat::Bf16, (5120, 2880, 1))); // GPT-OSS's stacked q/k/v

@@ -194,6 +194,8 @@ const DENSE_WORD_VALUES: usize = 8;
 const DENSE_ROWS_PER_GROUP: usize = 4;
 /// Chunks of a split matrix one `dense_rows` dispatch reads.
 const DENSE_CHUNKS: usize = 4;
+/// Tokens of a prompt block one `dense_rows` workgroup multiplies each weight word with.
+const DENSE_TOKENS_PER_GROUP: usize = 8;
 
 impl GpuMatrix {
     pub fn upload(ctx: &GpuContext, name: &str, m: &DenseMatrix) -> Result<GpuMatrix> {
@@ -290,6 +292,15 @@ impl GpuMatrix {
         if norm.is_some() {
             defines.push(("NORMED", "1".to_string()));
         }
+        // dense_rows: a prompt block's tokens share each weight load in batches.
+        let batch = if rows_per_group > 1 && tokens > 1 {
+            DENSE_TOKENS_PER_GROUP
+        } else {
+            1
+        };
+        if rows_per_group > 1 {
+            defines.push(("TOKENS", batch.to_string()));
+        }
         let eps = norm.as_ref().map_or(0.0, |n| n.eps);
         // dense_rows reads up to four chunks per dispatch, dense one.
         let span = if rows_per_group > 1 { DENSE_CHUNKS } else { 1 };
@@ -311,7 +322,7 @@ impl GpuMatrix {
                     0,
                     0,
                     1,
-                    0,
+                    u32_of(tokens, "tokens")?,
                     (output == Output::Accumulate) as u32,
                     eps.to_bits(),
                     u32_of(chunk_rows, "rows per chunk")?,
@@ -340,7 +351,7 @@ impl GpuMatrix {
                     &defines,
                     &params,
                     &bound,
-                    [gx, gy, u32_of(tokens, "tokens")?],
+                    [gx, gy, u32_of(tokens.div_ceil(batch), "tokens")?],
                 )?;
                 Ok(dispatch.moving(bytes as u64))
             })
