@@ -5,6 +5,9 @@
 //   t = p / top_k: GPT-OSS's interleaved gate/up rows and moe.wgsl's clamped SwiGLU.
 // Entry `down_combine` (COMBINE): hidden[t][r] += the sum over t's slots, in ascending expert id
 //   (moe.wgsl's combine order), of weight[p] * (W[e][r] . act[p] + b[e][r]).
+// Entries `gate_up_swiglu_grouped` (SWIGLU, GROUPED) and `down_grouped` (DOWN, GROUPED, writing
+//   y[p][r] = W[e][r] . act[p] + b[e][r] for moe.wgsl's combine): the same products for a prompt
+//   block, its pairs grouped by expert (below).
 //
 // Weights are MXFP4 (MXFP4: E2M1 nibbles, low nibble first, one E8M0 scale byte per 32 inputs) or
 // INT4 (INT4: nibbles q - 8, one f16 scale per 32 inputs), rows of 16-byte groups, over up to
@@ -25,6 +28,10 @@ struct Params {
     limit: f32,
     groups_x: u32,      // workgroups along x (row block = x + y * groups_x)
     per_chunk: u32,     // experts per binding
+    pairs: u32,         // GROUPED: (token, slot) pairs of the block
+    x_div: u32,         // GROUPED: pair q reads input row q / x_div
+    pad0: u32,
+    pad1: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -50,6 +57,9 @@ struct Params {
 #if COMBINE
 @group(0) @binding(12) var<storage, read> route_weights: array<f32>;
 @group(0) @binding(13) var<storage, read_write> hidden: array<f32>;
+#endif
+#if DOWN
+@group(0) @binding(12) var<storage, read_write> y: array<f32>;
 #endif
 
 // Word i of chunk c's weights (the chunk is the same in the whole workgroup).
@@ -120,13 +130,20 @@ fn scaled(sum: f32, c: u32, s: u32) -> f32 {
 #endif
 }
 
+// The values of a word's four low nibbles (lowest first), and of its four high ones.
+fn low_nibbles(bits: u32) -> vec4<f32> {
+    return vec4<f32>(nibble_value(bits & 15u), nibble_value((bits >> 4u) & 15u),
+                     nibble_value((bits >> 8u) & 15u), nibble_value((bits >> 12u) & 15u));
+}
+
+fn high_nibbles(bits: u32) -> vec4<f32> {
+    return vec4<f32>(nibble_value((bits >> 16u) & 15u), nibble_value((bits >> 20u) & 15u),
+                     nibble_value((bits >> 24u) & 15u), nibble_value(bits >> 28u));
+}
+
 // Eight nibbles (one 32-bit word, lowest first) times eight inputs.
 fn dot_word(bits: u32, low: vec4<f32>, high: vec4<f32>) -> f32 {
-    let first = vec4<f32>(nibble_value(bits & 15u), nibble_value((bits >> 4u) & 15u),
-                          nibble_value((bits >> 8u) & 15u), nibble_value((bits >> 12u) & 15u));
-    let second = vec4<f32>(nibble_value((bits >> 16u) & 15u), nibble_value((bits >> 20u) & 15u),
-                           nibble_value((bits >> 24u) & 15u), nibble_value(bits >> 28u));
-    return dot(first, low) + dot(second, high);
+    return dot(low_nibbles(bits), low) + dot(high_nibbles(bits), high);
 }
 
 // This lane's part of expert e's weight row r times the input starting at x[x4] (in vec4s):
@@ -225,4 +242,124 @@ fn down_combine(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
         hidden[t * p.rows + r] = hidden[t * p.rows + r] + sum;
     }
 }
+#endif
+
+#if GROUPED
+// A prompt block's pairs grouped by expert: one workgroup per (row block, expert) takes the
+// block's pairs routed to its expert BATCH at a time, and each weight word is loaded and decoded
+// once for the whole batch, so an expert's rows are read once per BATCH of its pairs, not once
+// per pair.
+const BATCH: u32 = 8u;
+// The round's pairs, and how many there are.
+var<workgroup> batch: array<u32, BATCH>;
+var<workgroup> batch_count: u32;
+// Each row's total for each pair of the round: sums[slot * BATCH + q].
+var<workgroup> sums: array<f32, ROWS * BATCH>;
+
+// Lane 0 collects the next (up to BATCH) pairs routed to expert e from *cursor on; every lane
+// gets their count (0 when none is left).
+fn next_batch(lid: u32, e: u32, cursor: ptr<function, u32>) -> u32 {
+    if (lid == 0u) {
+        var count = 0u;
+        while (*cursor < p.pairs && count < BATCH) {
+            if (ids[*cursor] == e) {
+                batch[count] = *cursor;
+                count = count + 1u;
+            }
+            *cursor = *cursor + 1u;
+        }
+        batch_count = count;
+    }
+    return workgroupUniformLoad(&batch_count);
+}
+
+// The round's products of expert e's row r (this lane's slot) into `sums`.
+fn batch_products(lid: u32, e: u32, r: u32, count: u32) {
+    let slot = lid / LANES;
+    let lane = lid % LANES;
+    let groups = p.cols / 32u;
+    let c = e / p.per_chunk;
+    let row = (e % p.per_chunk) * p.rows + r;
+    var acc: array<f32, BATCH>;
+    if (r < p.rows) {
+        for (var g = lane; g < groups; g = g + LANES) {
+            let word = weight_word(c, row * groups + g);
+            var group_sums: array<f32, BATCH>;
+            for (var k = 0u; k < 4u; k = k + 1u) {
+                let low = low_nibbles(word[k]);
+                let high = high_nibbles(word[k]);
+                for (var q = 0u; q < count; q = q + 1u) {
+                    let xg = (batch[q] / p.x_div) * (p.cols / 4u) + g * 8u + 2u * k;
+                    group_sums[q] = group_sums[q] + dot(low, x[xg]) + dot(high, x[xg + 1u]);
+                }
+            }
+            for (var q = 0u; q < count; q = q + 1u) {
+                acc[q] = acc[q] + scaled(group_sums[q], c, row * groups + g);
+            }
+        }
+    }
+    for (var q = 0u; q < BATCH; q = q + 1u) {
+        let total = reduce_lanes(lid, LANES, acc[q]);
+        if (lane == 0u) {
+            sums[slot * BATCH + q] = total;
+        }
+        workgroupBarrier();
+    }
+}
+
+#if SWIGLU
+@compute @workgroup_size(64)
+fn gate_up_swiglu_grouped(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    load_table(lid);
+    let slot = lid / LANES;
+    let lane = lid % LANES;
+    let r = (wg.x + wg.y * p.groups_x) * ROWS + slot;
+    let e = wg.z;
+    var cursor = 0u;
+    loop {
+        let count = next_batch(lid, e, &cursor);
+        if (count == 0u) {
+            break;
+        }
+        batch_products(lid, e, r, count);
+        // Even slots hold gate rows, the next slot the same unit's up row (ROWS is even).
+        if (lane == 0u && slot % 2u == 0u && r + 1u < p.rows) {
+            for (var q = 0u; q < count; q = q + 1u) {
+                let gate = min(with_bias(sums[slot * BATCH + q], e, r), p.limit);
+                let up = clamp(with_bias(sums[(slot + 1u) * BATCH + q], e, r + 1u), -p.limit, p.limit);
+                let glu = gate * (1.0 / (1.0 + exp(-(gate * p.alpha))));
+                act[batch[q] * (p.rows / 2u) + r / 2u] = (up + 1.0) * glu;
+            }
+        }
+        // The next round refills `batch` and `sums`.
+        workgroupBarrier();
+    }
+}
+#endif
+
+#if DOWN
+@compute @workgroup_size(64)
+fn down_grouped(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    load_table(lid);
+    let slot = lid / LANES;
+    let lane = lid % LANES;
+    let r = (wg.x + wg.y * p.groups_x) * ROWS + slot;
+    let e = wg.z;
+    var cursor = 0u;
+    loop {
+        let count = next_batch(lid, e, &cursor);
+        if (count == 0u) {
+            break;
+        }
+        batch_products(lid, e, r, count);
+        if (lane == 0u && r < p.rows) {
+            for (var q = 0u; q < count; q = q + 1u) {
+                y[batch[q] * p.rows + r] = with_bias(sums[slot * BATCH + q], e, r);
+            }
+        }
+        // The next round refills `batch` and `sums`.
+        workgroupBarrier();
+    }
+}
+#endif
 #endif

@@ -71,6 +71,9 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
             &["COMBINE", "INT4"],
             &["SWIGLU", "MXFP4", "SUBGROUPS", "SUBGROUP_MIN=8"],
             &["SWIGLU", "INT4", "CHUNKED"],
+            &["SWIGLU", "MXFP4", "GROUPED"],
+            &["DOWN", "INT4", "GROUPED", "CHUNKED"],
+            &["DOWN", "MXFP4", "GROUPED", "SUBGROUPS", "SUBGROUP_MIN=8"],
             &[
                 "COMBINE",
                 "MXFP4",
@@ -378,6 +381,28 @@ fn check_fused_experts(
     ids: &[u32],
     top_k: usize,
 ) {
+    check_expert_kernels(
+        ctx,
+        kind,
+        (experts, hidden, intermediate),
+        ids,
+        top_k,
+        false,
+    );
+    check_expert_kernels(ctx, kind, (experts, hidden, intermediate), ids, top_k, true);
+}
+
+/// One of `check_fused_experts`'s runs: the per-pair kernels, or (`grouped`) the prompt block's
+/// kernels grouped by expert, down then moe.wgsl's combine.
+fn check_expert_kernels(
+    ctx: &GpuContext,
+    kind: &str,
+    (experts, hidden, intermediate): (usize, usize, usize),
+    ids: &[u32],
+    top_k: usize,
+    grouped: bool,
+) {
+    use picchio::gpu::kernels::prepare_combine;
     let tokens = ids.len() / top_k;
     let (alpha, limit) = (1.702, 7.0);
     let gate_up = quantized(kind, experts, 2 * intermediate, hidden);
@@ -432,23 +457,30 @@ fn check_fused_experts(
         ctx.zeroed("dummy", 4).unwrap(),
     );
     let act = ctx.zeroed("act", (want_act.len() * 4) as u64).unwrap();
-    let swiglu = gw
-        .prepare_gate_up_swiglu(
+    let input = (&xb, tokens, top_k);
+    let swiglu = match grouped {
+        false => {
+            gw.prepare_gate_up_swiglu(ctx, input, &ib, Some(&gb), (alpha, limit), &act, &dummy)
+        }
+        true => gw.prepare_gate_up_swiglu_grouped(
             ctx,
-            (&xb, tokens, top_k),
+            input,
             &ib,
             Some(&gb),
             (alpha, limit),
             &act,
             &dummy,
-        )
+        ),
+    };
+    let swiglu = swiglu
         .unwrap()
         .expect("quantized experts in at most four bindings");
     ctx.run(&[&swiglu]).unwrap();
     let what = format!(
-        "{kind} E{experts} H{hidden} I{intermediate} ids {ids:?} ({} and {} chunks)",
+        "{kind} E{experts} H{hidden} I{intermediate} ids {ids:?} ({} and {} chunks{})",
         gw.chunk_count(),
-        dw.chunk_count()
+        dw.chunk_count(),
+        if grouped { ", grouped" } else { "" }
     );
     let (atol, rtol) = EXPERT_TOLERANCE;
     let got = ctx.read_f32(&act, want_act.len()).unwrap();
@@ -463,18 +495,29 @@ fn check_fused_experts(
     // down + combine from the CPU's activations, so each kernel answers for its own error.
     ctx.queue
         .write_buffer(&act, 0, bytemuck::cast_slice(&want_act));
-    let combine = dw
-        .prepare_down_combine(
-            ctx,
-            (&act, tokens, top_k),
-            (&ib, &wb),
-            Some(&db),
-            &hb,
-            &dummy,
-        )
-        .unwrap()
-        .expect("quantized experts in at most four bindings");
-    ctx.run(&[&combine]).unwrap();
+    if grouped {
+        let down_out = ctx.zeroed("down", (ids.len() * hidden * 4) as u64).unwrap();
+        let down = dw
+            .prepare_down_grouped(ctx, (&act, ids.len()), &ib, Some(&db), &down_out, &dummy)
+            .unwrap()
+            .expect("quantized experts in at most four bindings");
+        let shape = (tokens, top_k, hidden);
+        let combine = prepare_combine(ctx, (&ib, &wb, &down_out), shape, &hb).unwrap();
+        ctx.run(&[&down, &combine]).unwrap();
+    } else {
+        let combine = dw
+            .prepare_down_combine(
+                ctx,
+                (&act, tokens, top_k),
+                (&ib, &wb),
+                Some(&db),
+                &hb,
+                &dummy,
+            )
+            .unwrap()
+            .expect("quantized experts in at most four bindings");
+        ctx.run(&[&combine]).unwrap();
+    }
     let got = ctx.read_f32(&hb, want_hidden.len()).unwrap();
     let c = assert_close(
         &format!("{what} down_combine"),
@@ -496,6 +539,9 @@ fn fused_experts_match_cpu() {
         }
         // GPT-OSS widths (2880 x 2880 per expert), decode with top-2 of 2.
         check_fused_experts(&ctx, "mxfp4", (2, 2880, 2880), &[1, 0], 2);
+        // A block of 10 tokens whose expert 0 has more pairs than a grouped batch holds.
+        let ids: Vec<u32> = (0..10).flat_map(|t| [0, 1 + t % 3]).collect();
+        check_fused_experts(&ctx, "mxfp4", (4, 64, 32), &ids, 2);
     }
     // 2 KiB bindings: gate_up in 4 chunks of one expert, down in 2 of two.
     for small in gpu_variants(Some(2048)) {

@@ -638,7 +638,7 @@ impl GpuExperts {
         (top_k, has_bias, per_chunk): (usize, bool, usize),
         (alpha, limit): (f32, f32),
         z: usize,
-    ) -> Result<([u32; 8], [u32; 3])> {
+    ) -> Result<([u32; 12], [u32; 3])> {
         let (gx, gy) = ctx.row_groups(self.rows.div_ceil(FUSED_EXPERT_ROWS))?;
         let params = [
             u32_of(self.rows, "rows")?,
@@ -649,6 +649,10 @@ impl GpuExperts {
             limit.to_bits(),
             gx,
             u32_of(per_chunk, "experts per chunk")?,
+            0,
+            1,
+            0,
+            0,
         ];
         Ok((params, [gx, gy, u32_of(z, "workgroups")?]))
     }
@@ -715,6 +719,81 @@ impl GpuExperts {
             groups,
         )
         .map(|dispatch| Some(dispatch.moving(bytes as u64)))
+    }
+
+    /// Grouped by expert, for a prompt block: the clamped SwiGLU of this gate/up projection for
+    /// every (token, slot) pair, as `prepare_gate_up_swiglu`, with one workgroup per (row block,
+    /// expert) taking the pairs routed to it a batch at a time (None as for that one).
+    #[allow(clippy::too_many_arguments)]
+    pub fn prepare_gate_up_swiglu_grouped(
+        &self,
+        ctx: &GpuContext,
+        (x, tokens, top_k): (&wgpu::Buffer, usize, usize),
+        ids: &wgpu::Buffer,
+        bias: Option<&wgpu::Buffer>,
+        alpha_limit: (f32, f32),
+        act: &wgpu::Buffer,
+        dummy: &wgpu::Buffer,
+    ) -> Result<Option<Dispatch>> {
+        let fused = self.fused_operands(ctx, "SWIGLU");
+        let Some(mut fused) = fused.filter(|_| self.rows.is_multiple_of(2)) else {
+            return Ok(None);
+        };
+        let pairs = tokens * top_k;
+        fused.bind([x, bias.unwrap_or(dummy), ids, act]);
+        let dispatch =
+            self.prepare_grouped(ctx, fused, (pairs, top_k, bias.is_some()), alpha_limit)?;
+        Ok(Some(dispatch.moving(
+            (self.routed_bytes(pairs) + 4 * tokens * self.cols) as u64,
+        )))
+    }
+
+    /// Grouped by expert, for a prompt block: `y[p] = W[ids[p]] . act[p] + bias[ids[p]]` for
+    /// every pair (moe.wgsl's combine then adds them up), one workgroup per (row block, expert).
+    pub fn prepare_down_grouped(
+        &self,
+        ctx: &GpuContext,
+        (act, pairs): (&wgpu::Buffer, usize),
+        ids: &wgpu::Buffer,
+        bias: Option<&wgpu::Buffer>,
+        y: &wgpu::Buffer,
+        dummy: &wgpu::Buffer,
+    ) -> Result<Option<Dispatch>> {
+        let Some(mut fused) = self.fused_operands(ctx, "DOWN") else {
+            return Ok(None);
+        };
+        fused.bind([act, bias.unwrap_or(dummy), ids, y]);
+        let dispatch = self.prepare_grouped(ctx, fused, (pairs, 1, bias.is_some()), (0.0, 0.0))?;
+        Ok(Some(dispatch.moving(self.routed_bytes(pairs) as u64)))
+    }
+
+    /// A GROUPED kernel of experts.wgsl over `pairs` pairs, pair q reading input row q / x_div:
+    /// one workgroup per (row block, expert).
+    fn prepare_grouped(
+        &self,
+        ctx: &GpuContext,
+        mut fused: FusedOperands,
+        (pairs, x_div, has_bias): (usize, usize, bool),
+        alpha_limit: (f32, f32),
+    ) -> Result<Dispatch> {
+        let shape = (1, has_bias, fused.per_chunk);
+        let (mut params, groups) = self.fused_params(ctx, shape, alpha_limit, self.experts)?;
+        params[8] = u32_of(pairs, "pairs")?;
+        params[9] = u32_of(x_div, "x_div")?;
+        fused.defines.push(("GROUPED", "1".to_string()));
+        let entry = if fused.defines[0].0 == "SWIGLU" {
+            "gate_up_swiglu_grouped"
+        } else {
+            "down_grouped"
+        };
+        ctx.prepare_bound(
+            "experts.wgsl",
+            entry,
+            &fused.defines,
+            &params,
+            &fused.bound,
+            groups,
+        )
     }
 
     /// Weight bytes `pairs` routed (token, slot) pairs read at least (each distinct expert once,

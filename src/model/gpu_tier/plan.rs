@@ -62,8 +62,8 @@ enum Deferred {
     /// RMSNorm of `x`: a product or a `route` of it computes it in its own kernel.
     Norm { layer: usize, norm: Norm, x: GpuAct },
     /// The resident down projection of the activated experts: a `combine` of it runs the
-    /// product and the weighted sum in one kernel.
-    Down { layer: usize },
+    /// product and the weighted sum in one kernel, except for a prompt block grouped by expert.
+    Down { layer: usize, grouped: bool },
 }
 
 /// Records a block of `n` positions into plan steps.
@@ -99,7 +99,7 @@ impl<'g, 'm> PlanRecorder<'g, 'm> {
                 self.record_output(layer, &x, (&out, Output::Store))
             }
             Some(Deferred::Norm { layer, norm, x }) => self.record_norm(layer, norm, &x),
-            Some(Deferred::Down { layer }) => self.record_down(layer),
+            Some(Deferred::Down { layer, grouped }) => self.record_down(layer, grouped),
         }
     }
 
@@ -112,21 +112,33 @@ impl<'g, 'm> PlanRecorder<'g, 'm> {
             .ok_or_else(|| Error::Gpu(format!("layer {layer}: its experts are not resident")))
     }
 
-    /// The resident down projection of every (token, slot) pair's activation into `down`.
-    fn record_down(&mut self, layer: usize) -> Result<()> {
+    /// The resident down projection of every (token, slot) pair's activation into `down`, per
+    /// pair or (`grouped`, a prompt block) grouped by expert.
+    fn record_down(&mut self, layer: usize, grouped: bool) -> Result<()> {
         let (gpu, a) = (self.gpu, &self.gpu.act);
         let experts = self.resident(layer)?;
         let pairs = self.n * gpu.config.experts_per_token;
-        let dispatches = experts.down.prepare(
-            &gpu.weights.ctx,
-            &a.activated,
-            1,
-            &a.expert_ids,
-            pairs,
-            Some(&experts.down_bias),
-            &a.down,
-            &a.dummy,
-        )?;
+        let (ctx, bias) = (&gpu.weights.ctx, Some(&experts.down_bias));
+        if grouped {
+            let input = (&a.activated, pairs);
+            let down = experts.down.prepare_down_grouped(
+                ctx,
+                input,
+                &a.expert_ids,
+                bias,
+                &a.down,
+                &a.dummy,
+            )?;
+            if let Some(dispatch) = down {
+                add(&mut self.steps, vec![dispatch]);
+                return Ok(());
+            }
+        }
+        let ids = &a.expert_ids;
+        let dispatches =
+            experts
+                .down
+                .prepare(ctx, &a.activated, 1, ids, pairs, bias, &a.down, &a.dummy)?;
         add(&mut self.steps, dispatches);
         Ok(())
     }
@@ -457,18 +469,33 @@ impl Tier for PlanRecorder<'_, '_> {
             let input = (x.packed("experts")?, n, k);
             let bias = Some(gate_up_bias);
             let act = &a.activated;
-            let fused = gate_up.prepare_gate_up_swiglu(
-                ctx,
-                input,
-                selector,
-                bias,
-                (alpha, limit),
-                act,
-                &a.dummy,
-            )?;
+            // A prompt block with a pair per expert or more: its pairs grouped by expert, so each
+            // expert's rows are read once per batch of its pairs rather than once per pair.
+            let grouped = n * k >= gate_up.experts;
+            let fused = if grouped {
+                gate_up.prepare_gate_up_swiglu_grouped(
+                    ctx,
+                    input,
+                    selector,
+                    bias,
+                    (alpha, limit),
+                    act,
+                    &a.dummy,
+                )?
+            } else {
+                gate_up.prepare_gate_up_swiglu(
+                    ctx,
+                    input,
+                    selector,
+                    bias,
+                    (alpha, limit),
+                    act,
+                    &a.dummy,
+                )?
+            };
             if let Some(dispatch) = fused {
                 add(&mut self.steps, vec![dispatch]);
-                self.deferred = Some(Deferred::Down { layer });
+                self.deferred = Some(Deferred::Down { layer, grouped });
                 return Ok(Self::act(&a.down, spec.hidden));
             }
         }
@@ -509,7 +536,10 @@ impl Tier for PlanRecorder<'_, '_> {
         routing: &GpuRouting,
         experts: GpuAct,
     ) -> Result<()> {
-        if let Some(Deferred::Down { layer }) = self.deferred
+        if let Some(Deferred::Down {
+            layer,
+            grouped: false,
+        }) = self.deferred
             && experts.buffer == self.gpu.act.down
         {
             let (gpu, a) = (self.gpu, &self.gpu.act);
