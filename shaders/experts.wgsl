@@ -298,7 +298,8 @@ fn batch_products(lid: u32, e: u32, r: u32, count: u32) {
             }
         }
     }
-    for (var q = 0u; q < BATCH; q = q + 1u) {
+    // `count` is uniform (a workgroupUniformLoad): every lane reaches the same barriers.
+    for (var q = 0u; q < count; q = q + 1u) {
         let total = reduce_lanes(lid, LANES, acc[q]);
         if (lane == 0u) {
             sums[slot * BATCH + q] = total;

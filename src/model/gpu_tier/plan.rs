@@ -54,6 +54,9 @@ pub struct GpuRouting {
     weights: wgpu::Buffer,
 }
 
+/// Pairs per expert (on average) from which a prompt block's experts run grouped by expert.
+const GROUPED_PAIRS_PER_EXPERT: usize = 4;
+
 /// An op held back so that the op after it can take it into its own kernel (llama.cpp's graph
 /// fusions): every other op records it first.
 enum Deferred {
@@ -469,9 +472,10 @@ impl Tier for PlanRecorder<'_, '_> {
             let input = (x.packed("experts")?, n, k);
             let bias = Some(gate_up_bias);
             let act = &a.activated;
-            // A prompt block with a pair per expert or more: its pairs grouped by expert, so each
-            // expert's rows are read once per batch of its pairs rather than once per pair.
-            let grouped = n * k >= gate_up.experts;
+            // A prompt block with several pairs per expert: its pairs grouped by expert, so each
+            // expert's rows are read once per batch of its pairs rather than once per pair (with
+            // fewer, most of the grouped kernel's workgroups would find one pair or none).
+            let grouped = n * k >= GROUPED_PAIRS_PER_EXPERT * gate_up.experts;
             let fused = if grouped {
                 gate_up.prepare_gate_up_swiglu_grouped(
                     ctx,
