@@ -464,3 +464,43 @@ fn a_profile_times_every_dispatch_and_changes_no_token() {
     );
     assert!(profile.total_ns() > 0.0, "{profile:?}");
 }
+
+/// A prompt block's experts grouped by expert (the default on hardware adapters only) give
+/// transformers' tokens, as the per-pair kernels do; the grouped plan differs where a fixture's
+/// prompt has enough pairs per expert (down and combine are then two kernels, not one).
+#[test]
+fn prompt_experts_grouped_by_expert_give_transformers_tokens() {
+    let mut grouped_somewhere = false;
+    for dir in fixture_dirs() {
+        let model = Model::load(&dir).unwrap();
+        let reference = reference(&dir);
+        let mut prefill_dispatches = Vec::new();
+        for grouped in [false, true] {
+            let options = GpuTierOptions {
+                group_prompt_experts: Some(grouped),
+                ..gpu_options()
+            };
+            let Some(mut gpu) = gpu_session(&model, options) else {
+                return;
+            };
+            let mut marks = Vec::new();
+            let out = generate_observed(
+                &mut gpu,
+                &model.config,
+                &reference.prompt_ids,
+                &greedy_options(8),
+                &mut |s, _| marks.push(s.gpu_counters().unwrap()),
+            )
+            .unwrap();
+            assert_eq!(
+                out.generated_ids,
+                reference.generated_ids[..8],
+                "{} grouped {grouped}",
+                dir.display()
+            );
+            prefill_dispatches.push(marks[0].dispatches);
+        }
+        grouped_somewhere |= prefill_dispatches[1] > prefill_dispatches[0];
+    }
+    assert!(grouped_somewhere, "no fixture's prompt ran grouped");
+}

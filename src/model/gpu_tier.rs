@@ -83,6 +83,10 @@ pub struct GpuTierOptions {
     /// Time every kernel with timestamp queries (`--profile`; an error where the adapter has
     /// none).
     pub profile: bool,
+    /// Run a prompt block's resident experts grouped by expert (`experts.wgsl` GROUPED) where
+    /// the block has several pairs per expert. `None`: on hardware adapters only (on a software
+    /// one the per-pair kernels are faster: it computes, it does not wait for memory).
+    pub group_prompt_experts: Option<bool>,
 }
 
 impl Default for GpuTierOptions {
@@ -96,6 +100,7 @@ impl Default for GpuTierOptions {
             gpu_layers: None,
             keep_all_positions: false,
             profile: false,
+            group_prompt_experts: None,
         }
     }
 }

@@ -475,7 +475,9 @@ impl Tier for PlanRecorder<'_, '_> {
             // A prompt block with several pairs per expert: its pairs grouped by expert, so each
             // expert's rows are read once per batch of its pairs rather than once per pair (with
             // fewer, most of the grouped kernel's workgroups would find one pair or none).
-            let grouped = n * k >= GROUPED_PAIRS_PER_EXPERT * gate_up.experts;
+            let hardware = ctx.adapter.device_type != "Cpu";
+            let grouped = gpu.options.group_prompt_experts.unwrap_or(hardware)
+                && n * k >= GROUPED_PAIRS_PER_EXPERT * gate_up.experts;
             let fused = if grouped {
                 gate_up.prepare_gate_up_swiglu_grouped(
                     ctx,
