@@ -135,9 +135,11 @@ fn dense(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) 
 #if DENSE_ROWS
 const ROWS: u32 = 4u;
 const LANES: u32 = WG / ROWS;
-// Tokens one workgroup multiplies each weight word with (1 in decode; a prompt block's tokens
-// share each load).
+// With BATCHED, the tokens one workgroup multiplies each weight word with (a prompt block's
+// tokens share each load); decode runs the plain variant, one token per workgroup.
+#if BATCHED
 const TOKENS: u32 = {{TOKENS}}u;
+#endif
 
 // The two values of one 32-bit word, low half first.
 fn unpack_pair(word: u32) -> vec2<f32> {
@@ -160,8 +162,34 @@ fn unpack8(word: vec4<u32>) -> array<f32, 8> {
     return values;
 }
 
+// Eight weights (one 16-byte word) times x[xb .. xb + 8].
+fn dot8(word: vec4<u32>, xb: u32) -> f32 {
+    var sum = 0.0;
+    for (var k = 0u; k < 4u; k = k + 1u) {
+        let pair = unpack_pair(word[k]);
+        sum = sum + pair.x * x[xb + 2u * k] + pair.y * x[xb + 2u * k + 1u];
+    }
+    return sum;
+}
+
 #if NORMED
 @group(0) @binding(8) var<storage, read> norm_weight: array<f32>;
+
+// dot8 of norm_weight * x (columns c0 .. c0 + 8), and the sum of the x values' squares.
+fn dot8_normed(word: vec4<u32>, xb: u32, c0: u32) -> vec2<f32> {
+    var sum = 0.0;
+    var squares = 0.0;
+    for (var k = 0u; k < 8u; k = k + 1u) {
+        let v = x[xb + k];
+        squares = squares + v * v;
+    }
+    for (var k = 0u; k < 4u; k = k + 1u) {
+        let pair = unpack_pair(word[k]);
+        let c = c0 + 2u * k;
+        sum = sum + pair.x * (norm_weight[c] * x[xb + 2u * k]) + pair.y * (norm_weight[c + 1u] * x[xb + 2u * k + 1u]);
+    }
+    return vec2<f32>(sum, squares);
+}
 #endif
 
 // Word i of row r (counted from the dispatch's first row) in the chunk bindings.
@@ -179,6 +207,7 @@ fn row_word(r: u32, i: u32) -> vec4<u32> {
 #endif
 }
 
+#if BATCHED
 @compute @workgroup_size(64)
 fn dense_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let slot = lid / LANES;
@@ -225,6 +254,41 @@ fn dense_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
         }
     }
 }
+#else
+@compute @workgroup_size(64)
+fn dense_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let slot = lid / LANES;
+    let lane = lid % LANES;
+    let r = (wg.x + wg.y * p.groups_x) * ROWS + slot;
+    let t = wg.z;
+    let words = p.cols / 8u;
+    var acc = 0.0;
+    var squares = 0.0;
+    if (r < p.rows) {
+        let xb = t * p.x_stride;
+        for (var i = lane; i < words; i = i + LANES) {
+#if NORMED
+            let part = dot8_normed(row_word(r, i), xb + 8u * i, 8u * i);
+            acc = acc + part.x;
+            squares = squares + part.y;
+#else
+            acc = acc + dot8(row_word(r, i), xb + 8u * i);
+#endif
+        }
+    }
+    // Each row's lanes sum their partial products (every lane reaches every barrier).
+    var total = reduce_lanes(lid, LANES, acc);
+#if NORMED
+    // Every lane has read its sum before the second reduction reuses `partial`.
+    workgroupBarrier();
+    let inv = 1.0 / sqrt(reduce_lanes(lid, LANES, squares) / f32(p.cols) + p.eps);
+    total = total * inv;
+#endif
+    if (lane == 0u && r < p.rows) {
+        write_dense_row(t, r, total);
+    }
+}
+#endif
 #endif
 
 #if EXPERT_PAIRS

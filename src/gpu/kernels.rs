@@ -298,7 +298,8 @@ impl GpuMatrix {
         } else {
             1
         };
-        if rows_per_group > 1 {
+        if batch > 1 {
+            defines.push(("BATCHED", "1".to_string()));
             defines.push(("TOKENS", batch.to_string()));
         }
         let eps = norm.as_ref().map_or(0.0, |n| n.eps);
