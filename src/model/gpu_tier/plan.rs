@@ -7,8 +7,8 @@ use super::{GpuModel, PlanStep, add, add_experts};
 use crate::arch::{Activation, AttentionSpec, ExpertSpec, Gating, RouterSpec};
 use crate::error::{Error, Result};
 use crate::gpu::kernels::{
-    AttentionInputs, AttentionShape, Output, QkvRows, RouterWeights, RoutingBuffers, RowNorm,
-    prepare_add, prepare_attention, prepare_combine, prepare_rms_norm, prepare_route,
+    AttentionInputs, AttentionShape, GpuExperts, Output, QkvRows, RouterWeights, RoutingBuffers,
+    RowNorm, prepare_add, prepare_attention, prepare_combine, prepare_rms_norm, prepare_route,
     prepare_route_normed, prepare_swiglu,
 };
 use crate::model::block::{Norm, Projection, Tier};
@@ -144,6 +144,53 @@ impl<'g, 'm> PlanRecorder<'g, 'm> {
                 .prepare(ctx, &a.activated, 1, ids, pairs, bias, &a.down, &a.dummy)?;
         add(&mut self.steps, dispatches);
         Ok(())
+    }
+
+    /// A resident layer's gate_up and SwiGLU as one kernel (grouped by expert for a prompt block
+    /// with several pairs per expert), its down projection deferred for `combine`; None where
+    /// the layer's experts are cached or the fused kernels do not read their format or split.
+    fn record_fused_experts(
+        &mut self,
+        layer: usize,
+        spec: &ExpertSpec,
+        x: &GpuAct,
+        routing: &GpuRouting,
+    ) -> Result<Option<GpuAct>> {
+        let (gpu, a, n) = (self.gpu, &self.gpu.act, self.n);
+        let Some(resident) = &gpu.weights.layers[layer].experts else {
+            return Ok(None);
+        };
+        let Activation::ClampedSwiglu { alpha, limit } = spec.activation;
+        let (ctx, gate_up) = (&gpu.weights.ctx, &resident.gate_up);
+        let input = (x.packed("experts")?, n, gpu.config.experts_per_token);
+        let bias = Some(&resident.gate_up_bias);
+        // With few pairs per expert, most of the grouped kernel's workgroups would find one pair
+        // or none; software adapters compute rather than wait for the reads grouping saves.
+        let hardware = ctx.adapter.device_type != "Cpu";
+        let grouped = gpu.options.group_prompt_experts.unwrap_or(hardware)
+            && input.1 * input.2 >= GROUPED_PAIRS_PER_EXPERT * gate_up.experts;
+        let prepare = match grouped {
+            true => GpuExperts::prepare_gate_up_swiglu_grouped,
+            false => GpuExperts::prepare_gate_up_swiglu,
+        };
+        let act = &a.activated;
+        let ids = &routing.ids;
+        let Some(dispatch) = prepare(
+            gate_up,
+            ctx,
+            input,
+            ids,
+            bias,
+            (alpha, limit),
+            act,
+            &a.dummy,
+        )?
+        else {
+            return Ok(None);
+        };
+        add(&mut self.steps, vec![dispatch]);
+        self.deferred = Some(Deferred::Down { layer, grouped });
+        Ok(Some(Self::act(&a.down, spec.hidden)))
     }
 
     fn norm_weights(&self, layer: usize, norm: Norm) -> &wgpu::Buffer {
@@ -424,6 +471,9 @@ impl Tier for PlanRecorder<'_, '_> {
         routing: &GpuRouting,
     ) -> Result<GpuAct> {
         self.flush()?;
+        if let Some(experts) = self.record_fused_experts(layer, spec, x, routing)? {
+            return Ok(experts);
+        }
         let (gpu, a, n) = (self.gpu, &self.gpu.act, self.n);
         let Activation::ClampedSwiglu { alpha, limit } = spec.activation;
         let k = gpu.config.experts_per_token;
@@ -468,43 +518,6 @@ impl Tier for PlanRecorder<'_, '_> {
             };
         let cached = w.experts.is_none();
         let ctx = &gpu.weights.ctx;
-        if !cached {
-            let input = (x.packed("experts")?, n, k);
-            let bias = Some(gate_up_bias);
-            let act = &a.activated;
-            // A prompt block with several pairs per expert: its pairs grouped by expert, so each
-            // expert's rows are read once per batch of its pairs rather than once per pair (with
-            // fewer, most of the grouped kernel's workgroups would find one pair or none).
-            let hardware = ctx.adapter.device_type != "Cpu";
-            let grouped = gpu.options.group_prompt_experts.unwrap_or(hardware)
-                && n * k >= GROUPED_PAIRS_PER_EXPERT * gate_up.experts;
-            let fused = if grouped {
-                gate_up.prepare_gate_up_swiglu_grouped(
-                    ctx,
-                    input,
-                    selector,
-                    bias,
-                    (alpha, limit),
-                    act,
-                    &a.dummy,
-                )?
-            } else {
-                gate_up.prepare_gate_up_swiglu(
-                    ctx,
-                    input,
-                    selector,
-                    bias,
-                    (alpha, limit),
-                    act,
-                    &a.dummy,
-                )?
-            };
-            if let Some(dispatch) = fused {
-                add(&mut self.steps, vec![dispatch]);
-                self.deferred = Some(Deferred::Down { layer, grouped });
-                return Ok(Self::act(&a.down, spec.hidden));
-            }
-        }
         let dispatches = gate_up.prepare(
             ctx,
             x.packed("experts")?,
