@@ -53,10 +53,14 @@ struct Params {
 @group(0) @binding(11) var<storage, read> ids: array<u32>;
 #if SWIGLU
 @group(0) @binding(12) var<storage, read_write> act: array<f32>;
+
+#include "swiglu.wgsl"
 #endif
 #if COMBINE
 @group(0) @binding(12) var<storage, read> route_weights: array<f32>;
 @group(0) @binding(13) var<storage, read_write> hidden: array<f32>;
+
+#include "expert_order.wgsl"
 #endif
 #if DOWN
 @group(0) @binding(12) var<storage, read_write> y: array<f32>;
@@ -195,10 +199,8 @@ fn gate_up_swiglu(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocatio
     workgroupBarrier();
     // Even slots hold gate rows, the next slot the same unit's up row (ROWS is even).
     if (lane == 0u && slot % 2u == 0u && r + 1u < p.rows) {
-        let gate = min(with_bias(total, e, r), p.limit);
-        let up = clamp(with_bias(row_sums[slot + 1u], e, r + 1u), -p.limit, p.limit);
-        let glu = gate * (1.0 / (1.0 + exp(-(gate * p.alpha))));
-        act[pair * (p.rows / 2u) + r / 2u] = (up + 1.0) * glu;
+        let up = with_bias(row_sums[slot + 1u], e, r + 1u);
+        act[pair * (p.rows / 2u) + r / 2u] = clamped_swiglu(with_bias(total, e, r), up, p.alpha, p.limit);
     }
 }
 #endif
@@ -214,18 +216,9 @@ fn down_combine(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
     var sum = 0.0;
     var previous = -1;
     for (var n = 0u; n < p.top_k; n = n + 1u) {
-        // The slot with the smallest expert id above the previous one.
-        var chosen = 0u;
-        var best = 0x7fffffff;
-        for (var s = 0u; s < p.top_k; s = s + 1u) {
-            let e = i32(ids[t * p.top_k + s]);
-            if (e > previous && e < best) {
-                best = e;
-                chosen = s;
-            }
-        }
-        let pair = t * p.top_k + chosen;
-        let e = u32(best);
+        let next = next_in_id_order(t, previous);
+        let pair = t * p.top_k + u32(next.x);
+        let e = u32(next.y);
         var acc = 0.0;
         if (r < p.rows) {
             acc = row_partial(e, r, lane, pair * (p.cols / 4u));
@@ -234,7 +227,7 @@ fn down_combine(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
         if (r < p.rows) {
             sum = sum + with_bias(total, e, r) * route_weights[pair];
         }
-        previous = best;
+        previous = next.y;
         // Every lane has read its row's sum before the next slot's reduction reuses `partial`.
         workgroupBarrier();
     }
@@ -308,13 +301,36 @@ fn batch_products(lid: u32, e: u32, r: u32, count: u32) {
     }
 }
 
-#if SWIGLU
-@compute @workgroup_size(64)
-fn gate_up_swiglu_grouped(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    load_table(lid);
+// Writes the round's outputs of expert e's row r (this lane's slot): the SwiGLU of each gate row
+// and the up row beside it, or each down row.
+fn finish_round(lid: u32, e: u32, r: u32, count: u32) {
     let slot = lid / LANES;
-    let lane = lid % LANES;
-    let r = (wg.x + wg.y * p.groups_x) * ROWS + slot;
+    if (lid % LANES != 0u) {
+        return;
+    }
+#if SWIGLU
+    // Even slots hold gate rows, the next slot the same unit's up row (ROWS is even).
+    if (slot % 2u == 0u && r + 1u < p.rows) {
+        for (var q = 0u; q < count; q = q + 1u) {
+            let gate = with_bias(sums[slot * BATCH + q], e, r);
+            let up = with_bias(sums[(slot + 1u) * BATCH + q], e, r + 1u);
+            act[batch[q] * (p.rows / 2u) + r / 2u] = clamped_swiglu(gate, up, p.alpha, p.limit);
+        }
+    }
+#endif
+#if DOWN
+    if (r < p.rows) {
+        for (var q = 0u; q < count; q = q + 1u) {
+            y[batch[q] * p.rows + r] = with_bias(sums[slot * BATCH + q], e, r);
+        }
+    }
+#endif
+}
+
+// The rounds of one (row block, expert) workgroup over the block's pairs routed to its expert.
+fn grouped_rounds(wg: vec3<u32>, lid: u32) {
+    load_table(lid);
+    let r = (wg.x + wg.y * p.groups_x) * ROWS + lid / LANES;
     let e = wg.z;
     var cursor = 0u;
     loop {
@@ -323,44 +339,23 @@ fn gate_up_swiglu_grouped(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_i
             break;
         }
         batch_products(lid, e, r, count);
-        // Even slots hold gate rows, the next slot the same unit's up row (ROWS is even).
-        if (lane == 0u && slot % 2u == 0u && r + 1u < p.rows) {
-            for (var q = 0u; q < count; q = q + 1u) {
-                let gate = min(with_bias(sums[slot * BATCH + q], e, r), p.limit);
-                let up = clamp(with_bias(sums[(slot + 1u) * BATCH + q], e, r + 1u), -p.limit, p.limit);
-                let glu = gate * (1.0 / (1.0 + exp(-(gate * p.alpha))));
-                act[batch[q] * (p.rows / 2u) + r / 2u] = (up + 1.0) * glu;
-            }
-        }
+        finish_round(lid, e, r, count);
         // The next round refills `batch` and `sums`.
         workgroupBarrier();
     }
+}
+
+#if SWIGLU
+@compute @workgroup_size(64)
+fn gate_up_swiglu_grouped(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    grouped_rounds(wg, lid);
 }
 #endif
 
 #if DOWN
 @compute @workgroup_size(64)
 fn down_grouped(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    load_table(lid);
-    let slot = lid / LANES;
-    let lane = lid % LANES;
-    let r = (wg.x + wg.y * p.groups_x) * ROWS + slot;
-    let e = wg.z;
-    var cursor = 0u;
-    loop {
-        let count = next_batch(lid, e, &cursor);
-        if (count == 0u) {
-            break;
-        }
-        batch_products(lid, e, r, count);
-        if (lane == 0u && r < p.rows) {
-            for (var q = 0u; q < count; q = q + 1u) {
-                y[batch[q] * p.rows + r] = with_bias(sums[slot * BATCH + q], e, r);
-            }
-        }
-        // The next round refills `batch` and `sums`.
-        workgroupBarrier();
-    }
+    grouped_rounds(wg, lid);
 }
 #endif
 #endif

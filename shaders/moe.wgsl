@@ -23,16 +23,15 @@ struct Params {
 @group(0) @binding(1) var<storage, read> gate_up: array<f32>;
 @group(0) @binding(2) var<storage, read_write> act: array<f32>;
 
+#include "swiglu.wgsl"
+
 @compute @workgroup_size(64)
 fn swiglu(@builtin(global_invocation_id) gid: vec3<u32>) {
     let index = gid.x + gid.y * p.groups_x * 64u;
     if (index >= p.tokens * p.width) {
         return;
     }
-    let gate = min(gate_up[2u * index], p.limit);
-    let up = clamp(gate_up[2u * index + 1u], -p.limit, p.limit);
-    let glu = gate * (1.0 / (1.0 + exp(-(gate * p.alpha))));
-    act[index] = (up + 1.0) * glu;
+    act[index] = clamped_swiglu(gate_up[2u * index], gate_up[2u * index + 1u], p.alpha, p.limit);
 }
 #endif
 
@@ -41,6 +40,8 @@ fn swiglu(@builtin(global_invocation_id) gid: vec3<u32>) {
 @group(0) @binding(2) var<storage, read> weights: array<f32>;
 @group(0) @binding(3) var<storage, read> down: array<f32>;
 @group(0) @binding(4) var<storage, read_write> hidden: array<f32>;
+
+#include "expert_order.wgsl"
 
 @compute @workgroup_size(64)
 fn combine(@builtin(global_invocation_id) gid: vec3<u32>) {
@@ -53,19 +54,10 @@ fn combine(@builtin(global_invocation_id) gid: vec3<u32>) {
     var sum = 0.0;
     var previous = -1;
     for (var n = 0u; n < p.top_k; n = n + 1u) {
-        // The slot with the smallest expert id above the previous one.
-        var slot = 0u;
-        var best = 0x7fffffff;
-        for (var s = 0u; s < p.top_k; s = s + 1u) {
-            let e = i32(ids[t * p.top_k + s]);
-            if (e > previous && e < best) {
-                best = e;
-                slot = s;
-            }
-        }
-        let pair = t * p.top_k + slot;
+        let next = next_in_id_order(t, previous);
+        let pair = t * p.top_k + u32(next.x);
         sum = sum + down[pair * p.width + c] * weights[pair];
-        previous = best;
+        previous = next.y;
     }
     hidden[index] = hidden[index] + sum;
 }

@@ -16,23 +16,12 @@ struct Params {
 
 var<workgroup> partial: array<f32, WG>;
 
+#include "rms.wgsl"
+
 @compute @workgroup_size(64)
 fn rms_norm(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let base = wg.x * p.cols;
-    var acc = 0.0;
-    for (var c = lid; c < p.cols; c = c + WG) {
-        let v = x[base + c];
-        acc = acc + v * v;
-    }
-    partial[lid] = acc;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride = stride / 2u) {
-        if (lid < stride) {
-            partial[lid] = partial[lid] + partial[lid + stride];
-        }
-        workgroupBarrier();
-    }
-    let inv = 1.0 / sqrt(partial[0] / f32(p.cols) + p.eps);
+    let inv = inverse_rms(lid, base, p.cols, p.eps);
     for (var c = lid; c < p.cols; c = c + WG) {
         y[base + c] = w[c] * (x[base + c] * inv);
     }

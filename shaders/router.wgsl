@@ -4,7 +4,7 @@
 //   softmax over the k selected: ids[t * k + s], weights[t * k + s].
 // Entry `route_normed` (NORMED, with BF16, F16 or F32 naming the router's weights): the whole
 //   router of a token in one workgroup: RMSNorm of its residual row (written to `normed`, which
-//   the experts read; the same arithmetic as norm.wgsl), the router product with its bias into
+//   the experts read; rms.wgsl, as norm.wgsl), the router product with its bias into
 //   `logits`, then `route`'s top-k and softmax. One dispatch instead of three; the router's
 //   weights are small (experts x hidden), so one workgroup per token reads them fast enough.
 
@@ -84,6 +84,8 @@ fn route(@builtin(global_invocation_id) gid: vec3<u32>) {
 
 var<workgroup> partial: array<f32, WG * TILE>;
 
+#include "rms.wgsl"
+
 // Element i of the router's weights.
 fn weight(i: u32) -> f32 {
 #if BF16
@@ -116,20 +118,7 @@ fn reduce_tile(lid: u32) {
 fn route_normed(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let t = wg.x;
     let row = t * p.cols;
-    var squares = 0.0;
-    for (var c = lid; c < p.cols; c = c + WG) {
-        let v = x[row + c];
-        squares = squares + v * v;
-    }
-    partial[lid] = squares;
-    workgroupBarrier();
-    for (var stride = WG / 2u; stride > 0u; stride = stride / 2u) {
-        if (lid < stride) {
-            partial[lid] = partial[lid] + partial[lid + stride];
-        }
-        workgroupBarrier();
-    }
-    let inv = 1.0 / sqrt(partial[0] / f32(p.cols) + p.eps);
+    let inv = inverse_rms(lid, row, p.cols, p.eps);
     // Every lane has read the sum before the tiles below reuse `partial`.
     workgroupBarrier();
     // Each lane writes, then reads back, only its own columns: no barrier is needed between.

@@ -466,20 +466,17 @@ fn check_expert_kernels(
     );
     let act = ctx.zeroed("act", (want_act.len() * 4) as u64).unwrap();
     let input = (&xb, tokens, top_k);
-    let swiglu = match grouped {
-        false => {
-            gw.prepare_gate_up_swiglu(ctx, input, &ib, Some(&gb), (alpha, limit), &act, &dummy)
-        }
-        true => gw.prepare_gate_up_swiglu_grouped(
-            ctx,
-            input,
-            &ib,
-            Some(&gb),
-            (alpha, limit),
-            &act,
-            &dummy,
-        ),
-    };
+    let alpha_limit = (alpha, limit);
+    let swiglu = gw.prepare_gate_up_swiglu(
+        ctx,
+        input,
+        &ib,
+        Some(&gb),
+        alpha_limit,
+        grouped,
+        &act,
+        &dummy,
+    );
     let swiglu = swiglu
         .unwrap()
         .expect("quantized experts in at most four bindings");

@@ -660,7 +660,9 @@ impl GpuExperts {
 
     /// For each of `tokens * top_k` (token, slot) pairs `p` routed by `ids`, the clamped SwiGLU
     /// of this gate/up projection (interleaved rows) of `x[p / top_k]`, into `act[p]`: one
-    /// dispatch for the product and the activation (None where `fused_operands` is).
+    /// dispatch for the product and the activation, one workgroup per (row block, pair), or with
+    /// `grouped` (a prompt block) per (row block, expert), taking the pairs routed to it a batch
+    /// at a time. None where `fused_operands` is.
     #[allow(clippy::too_many_arguments)]
     pub fn prepare_gate_up_swiglu(
         &self,
@@ -669,6 +671,7 @@ impl GpuExperts {
         ids: &wgpu::Buffer,
         bias: Option<&wgpu::Buffer>,
         alpha_limit: (f32, f32),
+        grouped: bool,
         act: &wgpu::Buffer,
         dummy: &wgpu::Buffer,
     ) -> Result<Option<Dispatch>> {
@@ -676,19 +679,25 @@ impl GpuExperts {
         let Some(mut fused) = fused.filter(|_| self.rows.is_multiple_of(2)) else {
             return Ok(None);
         };
-        let shape = (top_k, bias.is_some(), fused.per_chunk);
-        let (params, groups) = self.fused_params(ctx, shape, alpha_limit, tokens * top_k)?;
+        let pairs = tokens * top_k;
         fused.bind([x, bias.unwrap_or(dummy), ids, act]);
-        let bytes = self.routed_bytes(tokens * top_k) + 4 * tokens * self.cols;
-        ctx.prepare_bound(
-            "experts.wgsl",
-            "gate_up_swiglu",
-            &fused.defines,
-            &params,
-            &fused.bound,
-            groups,
-        )
-        .map(|dispatch| Some(dispatch.moving(bytes as u64)))
+        let dispatch = if grouped {
+            self.prepare_grouped(ctx, fused, (pairs, top_k, bias.is_some()), alpha_limit)?
+        } else {
+            let shape = (top_k, bias.is_some(), fused.per_chunk);
+            let (params, groups) = self.fused_params(ctx, shape, alpha_limit, pairs)?;
+            let (defines, bound) = (&fused.defines, &fused.bound);
+            ctx.prepare_bound(
+                "experts.wgsl",
+                "gate_up_swiglu",
+                defines,
+                &params,
+                bound,
+                groups,
+            )?
+        };
+        let bytes = self.routed_bytes(pairs) + 4 * tokens * self.cols;
+        Ok(Some(dispatch.moving(bytes as u64)))
     }
 
     /// `hidden[t] +=` the sum over token t's slots, in ascending expert id, of
@@ -720,33 +729,6 @@ impl GpuExperts {
             groups,
         )
         .map(|dispatch| Some(dispatch.moving(bytes as u64)))
-    }
-
-    /// Grouped by expert, for a prompt block: the clamped SwiGLU of this gate/up projection for
-    /// every (token, slot) pair, as `prepare_gate_up_swiglu`, with one workgroup per (row block,
-    /// expert) taking the pairs routed to it a batch at a time (None as for that one).
-    #[allow(clippy::too_many_arguments)]
-    pub fn prepare_gate_up_swiglu_grouped(
-        &self,
-        ctx: &GpuContext,
-        (x, tokens, top_k): (&wgpu::Buffer, usize, usize),
-        ids: &wgpu::Buffer,
-        bias: Option<&wgpu::Buffer>,
-        alpha_limit: (f32, f32),
-        act: &wgpu::Buffer,
-        dummy: &wgpu::Buffer,
-    ) -> Result<Option<Dispatch>> {
-        let fused = self.fused_operands(ctx, "SWIGLU");
-        let Some(mut fused) = fused.filter(|_| self.rows.is_multiple_of(2)) else {
-            return Ok(None);
-        };
-        let pairs = tokens * top_k;
-        fused.bind([x, bias.unwrap_or(dummy), ids, act]);
-        let dispatch =
-            self.prepare_grouped(ctx, fused, (pairs, top_k, bias.is_some()), alpha_limit)?;
-        Ok(Some(dispatch.moving(
-            (self.routed_bytes(pairs) + 4 * tokens * self.cols) as u64,
-        )))
     }
 
     /// Grouped by expert, for a prompt block: `y[p] = W[ids[p]] . act[p] + bias[ids[p]]` for

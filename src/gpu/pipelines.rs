@@ -33,7 +33,15 @@ pub const SHADERS: &[(&str, &str)] = &[
 
 /// Compile-time variant switches: `#if NAME` / `#else` / `#endif` blocks and `{{NAME}}` tokens.
 /// Files a shader pulls in with `#include "name"` (not shaders of their own).
-pub const INCLUDES: &[(&str, &str)] = &[("reduce.wgsl", include_str!("../../shaders/reduce.wgsl"))];
+pub const INCLUDES: &[(&str, &str)] = &[
+    ("reduce.wgsl", include_str!("../../shaders/reduce.wgsl")),
+    ("swiglu.wgsl", include_str!("../../shaders/swiglu.wgsl")),
+    (
+        "expert_order.wgsl",
+        include_str!("../../shaders/expert_order.wgsl"),
+    ),
+    ("rms.wgsl", include_str!("../../shaders/rms.wgsl")),
+];
 
 pub type Defines<'a> = &'a [(&'a str, String)];
 

@@ -7,8 +7,8 @@ use super::{GpuModel, PlanStep, add, add_experts};
 use crate::arch::{Activation, AttentionSpec, ExpertSpec, Gating, RouterSpec};
 use crate::error::{Error, Result};
 use crate::gpu::kernels::{
-    AttentionInputs, AttentionShape, GpuExperts, Output, QkvRows, RouterWeights, RoutingBuffers,
-    RowNorm, prepare_add, prepare_attention, prepare_combine, prepare_rms_norm, prepare_route,
+    AttentionInputs, AttentionShape, Output, QkvRows, RouterWeights, RoutingBuffers, RowNorm,
+    prepare_add, prepare_attention, prepare_combine, prepare_rms_norm, prepare_route,
     prepare_route_normed, prepare_swiglu,
 };
 use crate::model::block::{Norm, Projection, Tier};
@@ -169,23 +169,19 @@ impl<'g, 'm> PlanRecorder<'g, 'm> {
         let hardware = ctx.adapter.device_type != "Cpu";
         let grouped = gpu.options.group_prompt_experts.unwrap_or(hardware)
             && input.1 * input.2 >= GROUPED_PAIRS_PER_EXPERT * gate_up.experts;
-        let prepare = match grouped {
-            true => GpuExperts::prepare_gate_up_swiglu_grouped,
-            false => GpuExperts::prepare_gate_up_swiglu,
-        };
-        let act = &a.activated;
-        let ids = &routing.ids;
-        let Some(dispatch) = prepare(
-            gate_up,
+        let (act, ids) = (&a.activated, &routing.ids);
+        let (alpha_limit, dummy) = ((alpha, limit), &a.dummy);
+        let fused = gate_up.prepare_gate_up_swiglu(
             ctx,
             input,
             ids,
             bias,
-            (alpha, limit),
+            alpha_limit,
+            grouped,
             act,
-            &a.dummy,
-        )?
-        else {
+            dummy,
+        )?;
+        let Some(dispatch) = fused else {
             return Ok(None);
         };
         add(&mut self.steps, vec![dispatch]);
