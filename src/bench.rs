@@ -577,8 +577,6 @@ pub fn run_bench(
     Ok(runs)
 }
 
-/// The GPU's read bandwidth, measured on a device of its own (dropped before the model loads);
-/// None, with the reason in the log, where there is no usable adapter.
 /// The prompt decoded again in a session whose every kernel is timed: the decode's per-kernel
 /// table (None where the adapter has no timestamps, with a warning).
 fn profiled_decode(
@@ -607,6 +605,8 @@ fn profiled_decode(
     Ok(decode_profile(&profiles, out.decode_tokens))
 }
 
+/// The GPU's read bandwidth, measured on a device of its own (dropped before the model loads);
+/// None, with the reason in the log, where there is no usable adapter.
 fn measure_gpu_bandwidth() -> Option<crate::gpu::bandwidth::GpuBandwidth> {
     let measured = crate::gpu::GpuContext::new(&crate::gpu::GpuOptions::from_env())
         .and_then(|ctx| crate::gpu::bandwidth::measure(&ctx));

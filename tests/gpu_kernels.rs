@@ -907,7 +907,8 @@ fn dense_matmul_accumulates_into_its_output() {
 
 /// A product that takes its input's RMSNorm in (q/k/v after the input norm, the head after the
 /// final norm) against the CPU tier's norm then product; split over bindings as well. A matrix
-/// whose rows are not whole 16-byte words refuses.
+/// whose rows are not whole 16-byte words runs the norm first into the scratch buffer given, and
+/// refuses without one.
 #[test]
 fn dense_matmul_takes_its_input_norm_in() {
     use picchio::gpu::kernels::{Output, RowNorm};
@@ -919,6 +920,9 @@ fn dense_matmul_takes_its_input_norm_in() {
             (FloatFormat::Bf16, (131, 72, 2)),
             (FloatFormat::F16, (64, 96, 3)),
             (FloatFormat::Bf16, (40, 64, 10)),
+            // Rows not of whole words: the norm runs first, into the scratch buffer.
+            (FloatFormat::Bf16, (7, 33, 2)),
+            (FloatFormat::F32, (9, 40, 3)),
         ];
         if binding_limit.is_none() {
             cases.push((FloatFormat::Bf16, (5120, 2880, 1))); // GPT-OSS's stacked q/k/v
@@ -938,9 +942,13 @@ fn dense_matmul_takes_its_input_norm_in() {
                 ctx.zeroed("y", (want.len() * 4) as u64).unwrap(),
                 ctx.zeroed("dummy", 4).unwrap(),
             );
+            // Needed only by matrices whose rows are not whole words (the norm runs first).
+            let scratch =
+                (!gm.by_words()).then(|| ctx.zeroed("normed", (x.len() * 4) as u64).unwrap());
             let row_norm = Some(RowNorm {
                 weight: &nb,
                 eps: 1e-5,
+                scratch: scratch.as_ref(),
             });
             let out = (&yb, Output::Store);
             let dispatches = gm
@@ -963,9 +971,13 @@ fn dense_matmul_takes_its_input_norm_in() {
     let norm = Some(RowNorm {
         weight: &b,
         eps: 1e-5,
+        scratch: None,
     });
     let refused = odd.prepare_product(&ctx, (&b, 1), norm, None, (&b, Output::Store), &b);
-    assert!(refused.is_err(), "33 columns are not whole words");
+    assert!(
+        refused.is_err(),
+        "33 columns are not whole words, and no scratch was given"
+    );
 }
 
 /// The router in one kernel (norm, product, top-k) against the CPU tier's three ops; with the

@@ -157,6 +157,9 @@ fn split(
 pub struct RowNorm<'b> {
     pub weight: &'b wgpu::Buffer,
     pub eps: f32,
+    /// Where a matrix that cannot take the norm in (rows not of whole 16-byte words) gets its
+    /// normalized input, written by an RMSNorm dispatch first; None: such a matrix refuses.
+    pub scratch: Option<&'b wgpu::Buffer>,
 }
 
 /// What a product does with its output buffer.
@@ -267,7 +270,8 @@ impl GpuMatrix {
     }
 
     /// As `prepare`, with `y[t][r] += W[r] . x[t] + bias[r]` where `output` says so, and of
-    /// RMSNorm(x[t]) where `norm` is given (only for matrices `by_words`).
+    /// RMSNorm(x[t]) where `norm` is given: taken into the product for matrices `by_words`, else
+    /// a norm dispatch into `norm.scratch` first.
     pub fn prepare_product(
         &self,
         ctx: &GpuContext,
@@ -277,6 +281,21 @@ impl GpuMatrix {
         (y, output): (&wgpu::Buffer, Output),
         dummy: &wgpu::Buffer,
     ) -> Result<Vec<Dispatch>> {
+        if let Some(RowNorm {
+            weight,
+            eps,
+            scratch: Some(scratch),
+        }) = norm
+            && !self.by_words()
+        {
+            let cols = self.cols;
+            let mut dispatches = vec![prepare_rms_norm(
+                ctx, x, weight, tokens, cols, eps, scratch,
+            )?];
+            let input = (scratch, tokens);
+            dispatches.extend(self.prepare_product(ctx, input, None, bias, (y, output), dummy)?);
+            return Ok(dispatches);
+        }
         let format = format_define(self.format);
         let (variant, entry, rows_per_group) = if self.by_words() {
             ("DENSE_ROWS", "dense_rows", DENSE_ROWS_PER_GROUP)

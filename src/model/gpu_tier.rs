@@ -30,7 +30,7 @@ use crate::error::{Error, Result};
 use crate::experts::{ExpertKey, VramBudget};
 use crate::gpu::GpuContext;
 use crate::gpu::kernels::{
-    Dispatch, GpuExperts, MAX_GPU_TOP_LOGITS, Output, RowNorm, prepare_rms_norm, prepare_top_k,
+    Dispatch, GpuExperts, MAX_GPU_TOP_LOGITS, Output, RowNorm, prepare_top_k,
 };
 use crate::gpu::profile::{GpuProfile, Profiler};
 
@@ -632,21 +632,14 @@ impl<'m> GpuModel<'m> {
                 .ok_or_else(|| Error::Gpu("the head is not on the GPU".into()))?;
             let eps = cfg.rms_norm_eps;
             let store = (&a.logits, Output::Store);
-            if lm_head.by_words() {
-                // The final norm taken into the head's product.
-                let weight = &self.weights.final_norm;
-                let norm = Some(RowNorm { weight, eps });
-                let head =
-                    lm_head.prepare_product(ctx, (&a.last, 1), norm, None, store, &a.dummy)?;
-                add(&mut steps, head);
-            } else {
-                let weight = &self.weights.final_norm;
-                let norm = prepare_rms_norm(ctx, &a.last, weight, 1, h, eps, &a.final_normed)?;
-                add(&mut steps, vec![norm]);
-                let input = (&a.final_normed, 1);
-                let head = lm_head.prepare_product(ctx, input, None, None, store, &a.dummy)?;
-                add(&mut steps, head);
-            }
+            // The final norm, taken into the head's product where its rows allow.
+            let norm = Some(RowNorm {
+                weight: &self.weights.final_norm,
+                eps,
+                scratch: Some(&a.final_normed),
+            });
+            let head = lm_head.prepare_product(ctx, (&a.last, 1), norm, None, store, &a.dummy)?;
+            add(&mut steps, head);
             let read = match output {
                 HeadOutput::Top => {
                     let top_k = self.options.top_logits;

@@ -282,13 +282,14 @@ impl Tier for PlanRecorder<'_, '_> {
                 x: x.clone(),
             });
         } else {
-            // The deferred norm of the input, when it is `x`, taken into the product.
+            // The deferred norm of the input, when it is `x`, taken into the product (or run
+            // just before it, where the matrix cannot take it in).
             let (input, norm_weight) = match &self.deferred {
                 Some(Deferred::Norm {
                     layer,
                     norm,
                     x: residual,
-                }) if x.buffer == a.normed && matrix.by_words() => {
+                }) if x.buffer == a.normed => {
                     let weight = self.norm_weights(*layer, *norm).clone();
                     (residual.clone(), Some(weight))
                 }
@@ -299,7 +300,11 @@ impl Tier for PlanRecorder<'_, '_> {
             };
             self.deferred = None;
             let eps = gpu.config.rms_norm_eps;
-            let norm = norm_weight.as_ref().map(|weight| RowNorm { weight, eps });
+            let norm = norm_weight.as_ref().map(|weight| RowNorm {
+                weight,
+                eps,
+                scratch: Some(&a.normed),
+            });
             let dispatches = matrix.prepare_product(
                 &gpu.weights.ctx,
                 (input.packed("project")?, self.n),
