@@ -289,6 +289,109 @@ fn dense_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     }
 }
 #endif
+
+#if TILED
+// Entry `dense_tiled` (prompts): a tile of TILE_ROWS rows by TILE_TOKENS tokens per workgroup.
+// Each step stages TILE_K columns of the tile's weights (unpacked once) and inputs in workgroup
+// memory, read from global memory in consecutive words; each lane then keeps 8 rows x 4 tokens
+// of sums in registers, so every weight is read once per TILE_TOKENS tokens and every staged
+// value feeds several products. NORMED: the weights norm_weight are applied to the inputs as
+// they are used and each token's sum of squares is gathered from the staged tiles.
+const TILE_ROWS: u32 = 64u;
+const TILE_TOKENS: u32 = 32u;
+const TILE_K: u32 = 32u;
+// Tile rows padded by one value, so that lanes reading down a column hit distinct banks.
+const TILE_PAD: u32 = TILE_K + 1u;
+const LANE_ROWS: u32 = 8u;
+const LANE_TOKENS: u32 = 4u;
+
+var<workgroup> x_tile: array<f32, TILE_TOKENS * TILE_PAD>;
+var<workgroup> w_tile: array<f32, TILE_ROWS * TILE_PAD>;
+var<workgroup> token_squares: array<f32, TILE_TOKENS>;
+
+// Stages columns k0 .. k0 + TILE_K of the tile's inputs and weights (zeros past the edges).
+fn load_tiles(row0: u32, token0: u32, k0: u32, lid: u32) {
+    for (var e = lid; e < TILE_TOKENS * TILE_K; e = e + WG) {
+        let t = e / TILE_K;
+        let c = e % TILE_K;
+        var v = 0.0;
+        if (token0 + t < p.pairs) {
+            v = x[(token0 + t) * p.x_stride + k0 + c];
+        }
+        x_tile[t * TILE_PAD + c] = v;
+    }
+    for (var e = lid; e < TILE_ROWS * (TILE_K / 8u); e = e + WG) {
+        let r = e / (TILE_K / 8u);
+        let word = e % (TILE_K / 8u);
+        var values: array<f32, 8>;
+        if (row0 + r < p.rows) {
+            values = unpack8(row_word(row0 + r, k0 / 8u + word));
+        }
+        for (var q = 0u; q < 8u; q = q + 1u) {
+            w_tile[r * TILE_PAD + 8u * word + q] = values[q];
+        }
+    }
+}
+
+@compute @workgroup_size(64)
+fn dense_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let row0 = (wg.x + wg.y * p.groups_x) * TILE_ROWS;
+    let token0 = wg.z * TILE_TOKENS;
+    // Lane lid sums rows row0 + lane_row + 8j and tokens token0 + lane_token + 8i.
+    let lane_row = lid % LANE_ROWS;
+    let lane_token = lid / LANE_ROWS;
+    var acc: array<f32, 32>;   // [i * LANE_ROWS + j]
+    var squares = 0.0;         // NORMED: of token lid (lanes below TILE_TOKENS)
+    for (var k0 = 0u; k0 < p.cols; k0 = k0 + TILE_K) {
+        load_tiles(row0, token0, k0, lid);
+        workgroupBarrier();
+        for (var k = 0u; k < TILE_K; k = k + 1u) {
+            var inputs: array<f32, 4>;
+            for (var i = 0u; i < LANE_TOKENS; i = i + 1u) {
+                inputs[i] = x_tile[(lane_token + 8u * i) * TILE_PAD + k];
+#if NORMED
+                inputs[i] = norm_weight[k0 + k] * inputs[i];
+#endif
+            }
+            for (var j = 0u; j < LANE_ROWS; j = j + 1u) {
+                let weight = w_tile[(lane_row + 8u * j) * TILE_PAD + k];
+                for (var i = 0u; i < LANE_TOKENS; i = i + 1u) {
+                    acc[i * LANE_ROWS + j] = acc[i * LANE_ROWS + j] + weight * inputs[i];
+                }
+            }
+        }
+#if NORMED
+        if (lid < TILE_TOKENS) {
+            for (var k = 0u; k < TILE_K; k = k + 1u) {
+                let v = x_tile[lid * TILE_PAD + k];
+                squares = squares + v * v;
+            }
+        }
+#endif
+        workgroupBarrier();
+    }
+    if (lid < TILE_TOKENS) {
+        token_squares[lid] = squares;
+    }
+    workgroupBarrier();
+    for (var i = 0u; i < LANE_TOKENS; i = i + 1u) {
+        let t = lane_token + 8u * i;
+        if (token0 + t >= p.pairs) {
+            break;
+        }
+        var inv = 1.0;
+#if NORMED
+        inv = 1.0 / sqrt(token_squares[t] / f32(p.cols) + p.eps);
+#endif
+        for (var j = 0u; j < LANE_ROWS; j = j + 1u) {
+            let r = row0 + lane_row + 8u * j;
+            if (r < p.rows) {
+                write_dense_row(token0 + t, r, acc[i * LANE_ROWS + j] * inv);
+            }
+        }
+    }
+}
+#endif
 #endif
 
 #if EXPERT_PAIRS

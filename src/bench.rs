@@ -40,6 +40,8 @@ pub struct BenchOptions {
     pub expert_activations: crate::cpu::q8_activations::ExpertActivations,
     /// Where the weights live in every run.
     pub mmap: crate::model::MmapMode,
+    /// How the KV cache holds keys and values in every run.
+    pub kv_format: crate::formats::KvFormat,
 }
 
 /// Prompt length of the second prefill measurement of a roofline bench.
@@ -92,6 +94,8 @@ pub struct BenchRun {
     pub amx_tiles: bool,
     /// checkpoint (exact) or q8.
     pub dense_format: String,
+    /// How the KV cache held keys and values (`--kv-cache`).
+    pub kv_cache: String,
     /// exact or q8 (MXFP4 experts' inputs on the CPU tier).
     pub expert_activations: String,
     /// Whether the weights a token reads were copied into memory (else mapped).
@@ -349,6 +353,7 @@ pub fn run_bench(
                 dense_format: options.dense_format,
                 expert_activations: options.expert_activations,
                 mmap: options.mmap,
+                kv_format: options.kv_format,
                 interleave_experts: options.backend == BackendChoice::Cpu,
                 prefetch: crate::model::PrefetchOptions {
                     enabled: prefetch,
@@ -512,6 +517,7 @@ pub fn run_bench(
             cpu_kernels: crate::cpu::simd::kernels().name().to_string(),
             amx_tiles: crate::cpu::simd::amx_tiles(),
             dense_format: options.dense_format.name().to_string(),
+            kv_cache: options.kv_format.name().to_string(),
             expert_activations: options.expert_activations.name().to_string(),
             weights_in_memory: model.weights_in_memory,
             warmup_s,

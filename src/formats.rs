@@ -72,6 +72,55 @@ pub fn dequantize_int4_row(qweight: &[u8], scales: &[u8], out: &mut [f32]) {
     }
 }
 
+/// How a KV cache holds keys and values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub enum KvFormat {
+    /// f32: exact, the default.
+    #[default]
+    F32,
+    /// f16, rounded to nearest even as each key and value is stored: half the GPU cache's bytes
+    /// and reads. The CPU tier rounds the same way (its cache stays f32), so both tiers see the
+    /// same keys.
+    F16,
+}
+
+impl KvFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            KvFormat::F32 => "f32",
+            KvFormat::F16 => "f16",
+        }
+    }
+
+    pub fn bytes_per_value(self) -> usize {
+        match self {
+            KvFormat::F32 => 4,
+            KvFormat::F16 => 2,
+        }
+    }
+
+    /// Each value as this format holds it.
+    pub fn round(self, values: &mut [f32]) {
+        if self == KvFormat::F16 {
+            for v in values {
+                *v = half::f16::from_f32(*v).to_f32();
+            }
+        }
+    }
+}
+
+impl std::str::FromStr for KvFormat {
+    type Err = String;
+
+    fn from_str(text: &str) -> std::result::Result<KvFormat, String> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "f32" => Ok(KvFormat::F32),
+            "f16" => Ok(KvFormat::F16),
+            _ => Err(format!("{text:?}: expected f32 or f16")),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -101,6 +101,11 @@ struct ModelArgs {
     /// off (always copied).
     #[arg(long, default_value = "auto", value_name = "auto|on|off")]
     mmap: picchio::model::MmapMode,
+    /// How the KV cache holds keys and values: f32 (exact) or f16 (rounded to nearest even as
+    /// they are stored: half the GPU cache's memory and reads; both tiers round alike, the CPU
+    /// tier's cache stays f32 in memory).
+    #[arg(long, default_value = "f32", value_name = "f32|f16")]
+    kv_cache: picchio::formats::KvFormat,
     /// Check each record of a converted expert store against the hash in its index when it is
     /// first read (a damaged file is then an error, not different tokens); off skips the cost.
     #[arg(long, value_enum, default_value_t = OnOff::On, value_name = "on|off")]
@@ -134,6 +139,7 @@ impl ModelArgs {
             dense_format: self.dense_format,
             expert_activations: self.expert_activations,
             mmap: self.mmap,
+            kv_format: self.kv_cache,
             interleave_experts: backend == BackendChoice::Cpu,
             check_records: self.check_records == OnOff::On,
             ..Default::default()
@@ -538,6 +544,9 @@ enum Command {
         /// Where the weights live in every run: auto, on (mapped) or off (copied into memory).
         #[arg(long, default_value = "auto", value_name = "auto|on|off")]
         mmap: picchio::model::MmapMode,
+        /// How the KV cache holds keys and values in every run: f32 (exact) or f16.
+        #[arg(long, default_value = "f32", value_name = "f32|f16")]
+        kv_cache: picchio::formats::KvFormat,
         /// Print one JSON object {"runs": [...]} instead of a table.
         #[arg(long)]
         json: bool,
@@ -734,6 +743,7 @@ fn run(cli: Cli) -> Result<()> {
                                 "prefill_readbacks": prefill.readbacks,
                                 "cpu_expert_ms_per_token": per_token(decode.cpu_expert_us).map(|us| us / 1e3),
                                 "readback_wait_ms_per_token": per_token(decode.readback_wait_us).map(|us| us / 1e3),
+                                "prerecorded_share": per_token(decode.prerecorded),
                                 "load": load,
                             })
                         }
@@ -826,6 +836,7 @@ fn run(cli: Cli) -> Result<()> {
             dense_format,
             expert_activations,
             mmap,
+            kv_cache,
             json,
             csv,
             plot,
@@ -847,6 +858,7 @@ fn run(cli: Cli) -> Result<()> {
                 dense_format,
                 expert_activations,
                 mmap,
+                kv_format: kv_cache,
             };
             bench(&options, json, csv, plot)
         }

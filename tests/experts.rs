@@ -93,6 +93,7 @@ fn bench_sweeps_budgets_and_writes_csv_and_plot() {
         dense_format: Default::default(),
         expert_activations: Default::default(),
         mmap: Default::default(),
+        kv_format: Default::default(),
     };
     let mut calls = 0;
     let runs = run_bench(&options, &mut |_, _| calls += 1).unwrap();

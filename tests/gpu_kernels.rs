@@ -8,7 +8,11 @@
 mod common;
 
 use picchio::cpu;
+use picchio::formats::KvFormat;
 use picchio::gpu::GpuContext;
+use picchio::gpu::attention::{
+    AttentionInputs, AttentionShape, MAX_SPLITS, QkvRows, prepare_attention,
+};
 use picchio::gpu::kernels::{GpuExperts, GpuMatrix, prepare_rms_norm};
 use picchio::gpu::pipelines::{SHADERS, preprocess};
 use picchio::weights::{DenseMatrix, FloatFormat, Int4Experts, Mxfp4Experts, TensorBytes};
@@ -37,6 +41,8 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
                 "TOKENS=8",
             ],
             &["DENSE_ROWS", "F16", "CHUNKED"],
+            &["DENSE_ROWS", "BF16", "TILED"],
+            &["DENSE_ROWS", "F16", "TILED", "NORMED", "CHUNKED"],
             &[
                 "DENSE_ROWS",
                 "BF16",
@@ -65,8 +71,20 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
     (
         "attention.wgsl",
         &[
-            &["ATTEND", "MAX_HEAD_DIM=64"],
-            &["ATTEND", "MAX_HEAD_DIM=256"],
+            &["ATTEND", "HEAD_DIM=64", "GROUP=8", "TILE=32"],
+            &["ATTEND", "HEAD_DIM=64", "GROUP=8", "TILE=32", "KV_F16"],
+            &["ATTEND", "HEAD_DIM=64", "GROUP=8", "TILE=32", "SPLIT"],
+            &[
+                "ATTEND",
+                "HEAD_DIM=128",
+                "GROUP=16",
+                "TILE=8",
+                "SPLIT",
+                "KV_F16",
+            ],
+            &["ATTEND", "HEAD_DIM=96", "GROUP=1", "TILE=64"],
+            &["MERGE", "HEAD_DIM=64"],
+            &["MERGE", "HEAD_DIM=256"],
         ],
     ),
     ("moe.wgsl", &[&["SWIGLU"], &["COMBINE"]]),
@@ -241,6 +259,8 @@ fn dense_matmul_matches_cpu() {
             check_dense(&ctx, "words", 131, 72, 2, format, true);
             // A prompt block over two batches of 8 tokens.
             check_dense(&ctx, "block", 131, 72, 11, format, true);
+            // Tiles of 64 rows x 32 tokens: edges in rows and tokens, several steps of 32 columns.
+            check_dense(&ctx, "tiled", 131, 96, 40, format, true);
         }
         // A real GPT-OSS projection (q_proj of 20B/120B).
         check_dense(&ctx, "q_proj", 4096, 2880, 1, FloatFormat::Bf16, true);
@@ -256,6 +276,10 @@ fn dense_matmul_splits_tensors_over_the_binding_limit() {
     check_dense(&ctx, "split words", 33, 64, 2, FloatFormat::Bf16, true);
     // Whole-word rows read up to four chunks per dispatch: 10 chunks of 14 rows in 3 dispatches.
     check_dense(&ctx, "split words", 131, 72, 2, FloatFormat::F16, false);
+    // As tiles (16 tokens): 8 KiB bindings hold the activations, the weights need 4 chunks of 32
+    // rows, and a tile of 64 rows spans two.
+    let Some(ctx) = gpu(Some(8192)) else { return };
+    check_dense(&ctx, "split tiles", 120, 128, 16, FloatFormat::Bf16, true);
 }
 
 enum Quantized {
@@ -638,7 +662,6 @@ fn rotated_rows(rope: &cpu::rope::RopeTable, x: &[f32], width: usize, first: usi
 /// tier's rope.
 #[test]
 fn rope_matches_cpu() {
-    use picchio::gpu::kernels::{AttentionInputs, AttentionShape, QkvRows, prepare_attention};
     let Some(ctx) = gpu(None) else { return };
     for (head_dim, heads, start, tokens) in [(16, 3, 0, 4), (64, 8, 1000, 2), (64, 64, 4095, 1)] {
         let rope = cpu::rope::RopeTable::new(&rope_config(head_dim));
@@ -657,6 +680,8 @@ fn rope_matches_cpu() {
             head_dim,
             capacity: tokens,
             window: Some(1),
+            kv_format: KvFormat::F32,
+            splits: 1,
         };
         let buffers =
             [("rows", rows), ("cos", cos), ("sin", sin)].map(|(n, v)| ctx.upload_f32(n, &v));
@@ -682,9 +707,10 @@ fn rope_matches_cpu() {
             sin: &buffers[2],
             keys: &k_cache,
             values: &v_cache,
+            partials: None,
         };
         let d = prepare_attention(&ctx, shape, tokens, &inputs, &sinks, &out).unwrap();
-        ctx.run(&[&d]).unwrap();
+        ctx.run(&d.iter().collect::<Vec<_>>()).unwrap();
         let got = ctx.read_f32(&k_cache, want.len()).unwrap();
         let (atol, rtol) = ROPE_TOLERANCE;
         assert_close(
@@ -697,73 +723,127 @@ fn rope_matches_cpu() {
     }
 }
 
-/// Attention of `tokens` queries at positions start.. against keys 0..start+tokens, on the GPU
-/// (the cache filled by the kernel itself in two blocks, ring when windowed; queries and keys
-/// rotated by the kernel when `rotate`) and on the CPU.
-fn check_attention(
-    ctx: &GpuContext,
+/// One attention case: `tokens` queries at positions start.. against keys 0..start+tokens.
+#[derive(Clone, Copy, Debug)]
+struct AttentionCase {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    start: usize,
+    tokens: usize,
+    window: Option<usize>,
+    /// Queries and keys rotated by the kernel.
+    rotate: bool,
+    kv_format: KvFormat,
+    /// Workgroups the new block's keys are split across (the past block runs unsplit).
+    splits: usize,
+}
+
+const fn case(
     (heads, kv_heads, head_dim): (usize, usize, usize),
     (start, tokens): (usize, usize),
     window: Option<usize>,
     rotate: bool,
-) {
-    use picchio::gpu::kernels::{AttentionInputs, AttentionShape, QkvRows, prepare_attention};
-    let (q_dim, kv_dim) = (heads * head_dim, kv_heads * head_dim);
-    let total = start + tokens;
-    let q: Vec<f32> = values(tokens * q_dim, 11).iter().map(|v| v * 2.0).collect();
+) -> AttentionCase {
+    AttentionCase {
+        heads,
+        kv_heads,
+        head_dim,
+        start,
+        tokens,
+        window,
+        rotate,
+        kv_format: KvFormat::F32,
+        splits: 1,
+    }
+}
+
+impl AttentionCase {
+    const fn f16(self) -> AttentionCase {
+        AttentionCase {
+            kv_format: KvFormat::F16,
+            ..self
+        }
+    }
+
+    const fn split(self, splits: usize) -> AttentionCase {
+        AttentionCase { splits, ..self }
+    }
+}
+
+/// The attention table: prefill and decode, windows and rings, head sizes, group sizes, split
+/// keys and the f16 cache.
+const ATTENTION_CASES: &[AttentionCase] = &[
+    case((4, 2, 16), (0, 5), None, false), // prefill from scratch
+    case((4, 2, 16), (0, 5), None, true),
+    case((4, 2, 16), (10, 3), Some(4), true), // window crossed, ring
+    case((6, 2, 32), (70, 1), Some(16), true), // decode, group of 3
+    case((2, 1, 96), (130, 2), None, true),   // head_dim above 64, several tiles
+    // GPT-OSS shape: 64 heads of 64, 8 kv heads, decode with the 128-key window.
+    case((64, 8, 64), (300, 1), Some(128), true),
+    // Decode with the keys split across workgroups: more splits than tiles, uneven shares,
+    // splits left empty by the window, a head_dim above 64.
+    case((64, 8, 64), (700, 1), None, true).split(3),
+    case((6, 2, 32), (90, 1), None, true).split(7),
+    case((6, 2, 32), (300, 1), Some(16), true).split(4),
+    case((2, 1, 96), (200, 1), None, true).split(32),
+    // The f16 cache, against the CPU with the same rounding.
+    case((4, 2, 16), (10, 3), Some(4), false).f16(),
+    case((64, 8, 64), (300, 1), None, true).f16(),
+    case((6, 2, 32), (90, 1), None, true).f16().split(5),
+];
+
+/// Attention of a case on the GPU (the cache filled by the kernel itself in two blocks, ring when
+/// windowed) and on the CPU.
+fn check_attention(ctx: &GpuContext, c: AttentionCase) {
+    let (q_dim, kv_dim) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+    let total = c.start + c.tokens;
+    let q: Vec<f32> = values(c.tokens * q_dim, 11)
+        .iter()
+        .map(|v| v * 2.0)
+        .collect();
     let k: Vec<f32> = values(total * kv_dim, 12).iter().map(|v| v * 2.0).collect();
     let v = values(total * kv_dim, 13);
-    let sinks: Vec<f32> = values(heads, 14);
-    let rope = cpu::rope::RopeTable::new(&rope_config(head_dim));
-    let (q_seen, k_seen) = match rotate {
+    let sinks: Vec<f32> = values(c.heads, 14);
+    let rope = cpu::rope::RopeTable::new(&rope_config(c.head_dim));
+    let (q_seen, mut k_seen) = match c.rotate {
         true => (
-            rotated_rows(&rope, &q, q_dim, start),
+            rotated_rows(&rope, &q, q_dim, c.start),
             rotated_rows(&rope, &k, kv_dim, 0),
         ),
         false => (q.clone(), k.clone()),
     };
-    let layout = cpu::attention::HeadLayout {
-        num_heads: heads,
-        num_kv_heads: kv_heads,
-        head_dim,
-    };
-    let scaling = (head_dim as f64).powf(-0.5) as f32;
-    let mut want = vec![0f32; tokens * q_dim];
-    for t in 0..tokens {
-        let position = start + t;
-        let keys = cpu::attention::first_visible_key(position, window)..=position;
-        let kv = |j: usize| {
-            (
-                &k_seen[j * kv_dim..(j + 1) * kv_dim],
-                &v[j * kv_dim..(j + 1) * kv_dim],
-            )
-        };
-        let out = &mut want[t * q_dim..(t + 1) * q_dim];
-        let query = &q_seen[t * q_dim..(t + 1) * q_dim];
-        cpu::attention::attend(layout, query, keys, kv, &sinks, scaling, out);
-    }
+    let mut v_seen = v.clone();
+    c.kv_format.round(&mut k_seen);
+    c.kv_format.round(&mut v_seen);
+    let want = cpu_attention(c, &q_seen, &k_seen, &v_seen, &sinks);
 
     // Ring of window + block - 1 slots for sliding layers, everything for full ones.
-    let capacity = window.map_or(total, |w| w + tokens.max(start) - 1);
+    let capacity = c.window.map_or(total, |w| w + c.tokens.max(c.start) - 1);
     let shape = AttentionShape {
-        num_heads: heads,
-        num_kv_heads: kv_heads,
-        head_dim,
+        num_heads: c.heads,
+        num_kv_heads: c.kv_heads,
+        head_dim: c.head_dim,
         capacity,
-        window,
+        window: c.window,
+        kv_format: c.kv_format,
+        splits: 1,
     };
-    let bytes = (capacity * kv_dim * 4) as u64;
+    let bytes = capacity as u64 * shape.cache_row_bytes();
     let caches = ["k_cache", "v_cache"].map(|n| ctx.zeroed(n, bytes).unwrap());
     let step = ctx.uniform("step", bytemuck::cast_slice(&[0u32; 4]));
     let stride = q_dim + 2 * kv_dim;
     let sb = ctx.upload_f32("sinks", &sinks);
     let ob = ctx.zeroed("out", (want.len() * 4) as u64).unwrap();
     let past_out = ctx
-        .zeroed("past out", (start.max(1) * q_dim * 4) as u64)
+        .zeroed("past out", (c.start.max(1) * q_dim * 4) as u64)
+        .unwrap();
+    let partials = ctx
+        .zeroed("partials", shape.partials_bytes(c.tokens, c.splits))
         .unwrap();
     // Past keys (positions 0..start) in one block, then the new block, as prefill then decode;
     // only the new block's output is checked, so the past block's queries are zeros.
-    for (first, count) in [(0, start), (start, tokens)] {
+    for (first, count) in [(0, c.start), (c.start, c.tokens)] {
         if count == 0 {
             continue;
         }
@@ -772,7 +852,7 @@ fn check_attention(
         let mut rows = Vec::with_capacity(count * stride);
         for t in 0..count {
             let j = first + t;
-            match first == start {
+            match first == c.start {
                 true => rows.extend_from_slice(&q[t * q_dim..(t + 1) * q_dim]),
                 false => rows.extend(std::iter::repeat_n(0.0, q_dim)),
             }
@@ -790,37 +870,148 @@ fn check_attention(
                 query: 0,
                 key: q_dim,
                 value: q_dim + kv_dim,
-                rotate_query: rotate,
-                rotate_key: rotate,
+                rotate_query: c.rotate,
+                rotate_key: c.rotate,
             },
             cos: &buffers[1],
             sin: &buffers[2],
             keys: &caches[0],
             values: &caches[1],
+            partials: Some(&partials),
         };
-        let out = if first == start { &ob } else { &past_out };
+        let (out, splits) = match first == c.start {
+            true => (&ob, c.splits),
+            false => (&past_out, 1),
+        };
+        let shape = AttentionShape { splits, ..shape };
         let attend = prepare_attention(ctx, shape, count, &inputs, &sb, out).unwrap();
-        ctx.run(&[&attend]).unwrap();
+        assert_eq!(attend.len(), if splits > 1 { 2 } else { 1 });
+        ctx.run(&attend.iter().collect::<Vec<_>>()).unwrap();
     }
     let got = ctx.read_f32(&ob, want.len()).unwrap();
     let (atol, rtol) = ATTENTION_TOLERANCE;
-    let what = format!(
-        "attention {heads}x{head_dim} (kv {kv_heads}) at {start} x{tokens} window {window:?} rotated {rotate}"
-    );
-    let c = assert_close(&what, &got, &want, atol, rtol);
-    eprintln!("{what}: max |error| {:e}", c.max_abs_error);
+    let what = format!("attention {c:?}");
+    let comparison = assert_close(&what, &got, &want, atol, rtol);
+    eprintln!("{what}: max |error| {:e}", comparison.max_abs_error);
+}
+
+/// The CPU tier's attention of a case's queries over keys and values as the cache holds them.
+fn cpu_attention(c: AttentionCase, q: &[f32], k: &[f32], v: &[f32], sinks: &[f32]) -> Vec<f32> {
+    let (q_dim, kv_dim) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+    let layout = cpu::attention::HeadLayout {
+        num_heads: c.heads,
+        num_kv_heads: c.kv_heads,
+        head_dim: c.head_dim,
+    };
+    let scaling = (c.head_dim as f64).powf(-0.5) as f32;
+    let mut want = vec![0f32; c.tokens * q_dim];
+    for t in 0..c.tokens {
+        let position = c.start + t;
+        let keys = cpu::attention::first_visible_key(position, c.window)..=position;
+        let kv = |j: usize| {
+            (
+                &k[j * kv_dim..(j + 1) * kv_dim],
+                &v[j * kv_dim..(j + 1) * kv_dim],
+            )
+        };
+        let out = &mut want[t * q_dim..(t + 1) * q_dim];
+        let query = &q[t * q_dim..(t + 1) * q_dim];
+        cpu::attention::attend(layout, query, keys, kv, sinks, scaling, out);
+    }
+    want
 }
 
 #[test]
 fn attention_matches_cpu() {
     let Some(ctx) = gpu(None) else { return };
-    check_attention(&ctx, (4, 2, 16), (0, 5), None, false); // prefill from scratch
-    check_attention(&ctx, (4, 2, 16), (0, 5), None, true);
-    check_attention(&ctx, (4, 2, 16), (10, 3), Some(4), true); // window crossed, ring
-    check_attention(&ctx, (6, 2, 32), (70, 1), Some(16), true); // decode past two 64-key tiles
-    check_attention(&ctx, (2, 1, 96), (130, 2), None, true); // head_dim above 64, three tiles
-    // GPT-OSS shape: 64 heads of 64, 8 kv heads, decode with the 128-key window.
-    check_attention(&ctx, (64, 8, 64), (300, 1), Some(128), true);
+    for c in ATTENTION_CASES {
+        check_attention(&ctx, *c);
+    }
+}
+
+/// The f16 cache stores every key and value as the CPU tier rounds it (nearest, ties to even):
+/// ties, subnormals, overflow, infinities, NaN.
+#[test]
+fn f16_cache_rounds_like_the_cpu() {
+    let Some(ctx) = gpu(None) else { return };
+    let tie = |base: f32, ulp: f32| base + ulp / 2.0;
+    let keys = vec![
+        0.0,
+        -0.0,
+        1.0,
+        tie(1.0, 2f32.powi(-10)),                  // tie, even below
+        tie(1.0 + 2f32.powi(-10), 2f32.powi(-10)), // tie, even above
+        65504.0,
+        65519.0, // rounds down to the largest f16
+        65520.0, // rounds up to infinity
+        1e6,
+        2f32.powi(-24),       // smallest subnormal
+        2f32.powi(-25),       // tie to zero
+        3.0 * 2f32.powi(-25), // tie to 2^-23
+        6.097e-5,             // just below the smallest normal
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        -1.0 / 3.0,
+        0.1,
+    ];
+    let values: Vec<f32> = keys.iter().map(|k| -k * 0.7).collect();
+    let head_dim = keys.len();
+    let shape = AttentionShape {
+        num_heads: 1,
+        num_kv_heads: 1,
+        head_dim,
+        capacity: 1,
+        window: None,
+        kv_format: KvFormat::F16,
+        splits: 1,
+    };
+    let row: Vec<f32> = keys.iter().chain(&keys).chain(&values).copied().collect();
+    let rows = ctx.upload_f32("rows", &row);
+    let tables = ctx.zeroed("rope tables", 4 * head_dim as u64).unwrap();
+    let [k_cache, v_cache] =
+        ["keys", "values"].map(|n| ctx.zeroed(n, shape.cache_row_bytes()).unwrap());
+    let out = ctx.zeroed("out", 4 * head_dim as u64).unwrap();
+    let sinks = ctx.zeroed("sinks", 4).unwrap();
+    let step = ctx.uniform("step", bytemuck::cast_slice(&[0u32; 4]));
+    let inputs = AttentionInputs {
+        step: &step,
+        rows: QkvRows {
+            buffer: &rows,
+            stride: 3 * head_dim,
+            query: 0,
+            key: head_dim,
+            value: 2 * head_dim,
+            rotate_query: false,
+            rotate_key: false,
+        },
+        cos: &tables,
+        sin: &tables,
+        keys: &k_cache,
+        values: &v_cache,
+        partials: None,
+    };
+    let d = prepare_attention(&ctx, shape, 1, &inputs, &sinks, &out).unwrap();
+    ctx.run(&d.iter().collect::<Vec<_>>()).unwrap();
+    for (cache, stored) in [(&k_cache, &keys), (&v_cache, &values)] {
+        let bytes = ctx.read_back(cache, shape.cache_row_bytes()).unwrap();
+        let got: Vec<u16> = bytemuck::pod_collect_to_vec(&bytes);
+        let want: Vec<u16> = stored
+            .iter()
+            .map(|v| half::f16::from_f32(*v).to_bits())
+            .collect();
+        assert_eq!(got, want, "f16 cache of {stored:?}");
+    }
+}
+
+/// The split policy: decode over a long cache splits, a prompt never does.
+#[test]
+fn attention_splits_only_long_decodes() {
+    assert_eq!(AttentionShape::splits_for(1, 128), 1);
+    assert_eq!(AttentionShape::splits_for(1, 256), 1);
+    assert_eq!(AttentionShape::splits_for(1, 257), 2);
+    assert_eq!(AttentionShape::splits_for(1, 1 << 20), MAX_SPLITS);
+    assert_eq!(AttentionShape::splits_for(8, 1 << 20), 1);
 }
 
 #[test]
@@ -870,6 +1061,7 @@ fn dense_matmul_accumulates_into_its_output() {
             (FloatFormat::Bf16, (131, 72, 2)),
             (FloatFormat::F32, (7, 33, 1)),
             (FloatFormat::F16, (64, 96, 3)),
+            (FloatFormat::Bf16, (70, 64, 17)), // tiles
         ] {
             let m = dense_matrix(rows, cols, format, 77);
             let (x, bias, start) = (
@@ -926,6 +1118,7 @@ fn dense_matmul_takes_its_input_norm_in() {
         ];
         if binding_limit.is_none() {
             cases.push((FloatFormat::Bf16, (5120, 2880, 1))); // GPT-OSS's stacked q/k/v
+            cases.push((FloatFormat::Bf16, (70, 96, 33))); // tiles
         }
         for (format, (rows, cols, tokens)) in cases {
             let m = dense_matrix(rows, cols, format, 78);

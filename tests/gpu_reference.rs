@@ -67,6 +67,12 @@ fn gpu_greedy_tokens_and_logits_match_transformers() {
             decoded,
             "readbacks"
         );
+        // Each token's commands were recorded while the GPU ran the one before.
+        assert_eq!(
+            marks[1].prerecorded - marks[0].prerecorded,
+            decoded,
+            "decode steps recorded ahead"
+        );
         // Every decoded token records the same resident plan.
         let dispatches = marks[1].dispatches - marks[0].dispatches;
         assert!(
@@ -503,4 +509,45 @@ fn prompt_experts_grouped_by_expert_give_transformers_tokens() {
         grouped_somewhere |= prefill_dispatches[1] > prefill_dispatches[0];
     }
     assert!(grouped_somewhere, "no fixture's prompt ran grouped");
+}
+
+/// The f16 KV cache (`--kv-cache f16`): both tiers round keys and values alike, so they give the
+/// same tokens on every fixture, over a long generation too (decode keys split across
+/// workgroups); whether those are still transformers' tokens is reported, not required.
+#[test]
+fn f16_kv_cache_gives_the_same_tokens_on_both_tiers() {
+    let options = picchio::model::ModelOptions {
+        kv_format: picchio::formats::KvFormat::F16,
+        ..Default::default()
+    };
+    for dir in fixture_dirs() {
+        let model = Model::load_with(&dir, &options).unwrap();
+        let reference = reference(&dir);
+        let Some(mut gpu) = gpu_model(&model, 128) else {
+            return;
+        };
+        let long = dir.ends_with("tiny-single");
+        let mut opts = greedy_options(if long { 288 } else { 32 });
+        opts.top_logits = 0;
+        let prompt = &reference.prompt_ids;
+        let on_gpu = generate_with(&mut gpu, &model.config, prompt, &opts).unwrap();
+        let on_cpu = picchio::model::generate::generate(&model, prompt, &opts).unwrap();
+        assert_eq!(
+            on_gpu.generated_ids,
+            on_cpu.generated_ids,
+            "{}",
+            dir.display()
+        );
+        let agree = on_gpu
+            .generated_ids
+            .iter()
+            .zip(&reference.generated_ids)
+            .take_while(|(ours, theirs)| ours == theirs)
+            .count();
+        eprintln!(
+            "{}: f16 cache, first {agree} of {} ids as transformers'",
+            dir.display(),
+            reference.generated_ids.len()
+        );
+    }
 }

@@ -201,6 +201,7 @@ fn bench_sweeps_vram_budgets() {
         dense_format: Default::default(),
         expert_activations: Default::default(),
         mmap: Default::default(),
+        kv_format: Default::default(),
     };
     let runs = run_bench(&options, &mut |_, _| {}).unwrap();
     assert_eq!(runs.len(), 2);

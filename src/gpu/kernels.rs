@@ -199,6 +199,14 @@ const DENSE_ROWS_PER_GROUP: usize = 4;
 const DENSE_CHUNKS: usize = 4;
 /// Tokens of a prompt block one `dense_rows` workgroup multiplies each weight word with.
 const DENSE_TOKENS_PER_GROUP: usize = 8;
+/// `dense_tiled`'s tile: rows and tokens per workgroup, columns per step (`TILE_*` in
+/// matmul.wgsl).
+const DENSE_TILE_ROWS: usize = 64;
+const DENSE_TILE_TOKENS: usize = 32;
+const DENSE_TILE_K: usize = 32;
+/// Tokens from which a block's product runs as tiles: below, most of a tile's tokens would be
+/// padding, and `dense_rows`' batches of 8 read the weights as few times.
+const DENSE_TILE_MIN_TOKENS: usize = 16;
 
 impl GpuMatrix {
     pub fn upload(ctx: &GpuContext, name: &str, m: &DenseMatrix) -> Result<GpuMatrix> {
@@ -297,7 +305,12 @@ impl GpuMatrix {
             return Ok(dispatches);
         }
         let format = format_define(self.format);
-        let (variant, entry, rows_per_group) = if self.by_words() {
+        let tiled = self.by_words()
+            && tokens >= DENSE_TILE_MIN_TOKENS
+            && self.cols.is_multiple_of(DENSE_TILE_K);
+        let (variant, entry, rows_per_group) = if tiled {
+            ("DENSE_ROWS", "dense_tiled", DENSE_TILE_ROWS)
+        } else if self.by_words() {
             ("DENSE_ROWS", "dense_rows", DENSE_ROWS_PER_GROUP)
         } else if norm.is_none() {
             ("DENSE", "dense", 1)
@@ -311,16 +324,17 @@ impl GpuMatrix {
         if norm.is_some() {
             defines.push(("NORMED", "1".to_string()));
         }
-        // dense_rows: a prompt block's tokens share each weight load in batches.
-        let batch = if rows_per_group > 1 && tokens > 1 {
+        // A prompt block's tokens share each weight load: in tiles, or in dense_rows' batches.
+        let batch = if tiled {
+            defines.push(("TILED", "1".to_string()));
+            DENSE_TILE_TOKENS
+        } else if rows_per_group > 1 && tokens > 1 {
+            defines.push(("BATCHED", "1".to_string()));
+            defines.push(("TOKENS", DENSE_TOKENS_PER_GROUP.to_string()));
             DENSE_TOKENS_PER_GROUP
         } else {
             1
         };
-        if batch > 1 {
-            defines.push(("BATCHED", "1".to_string()));
-            defines.push(("TOKENS", batch.to_string()));
-        }
         let eps = norm.as_ref().map_or(0.0, |n| n.eps);
         // dense_rows reads up to four chunks per dispatch, dense one.
         let span = if rows_per_group > 1 { DENSE_CHUNKS } else { 1 };
@@ -848,114 +862,6 @@ impl GpuContext {
         let (x, y) = self.row_groups(n.div_ceil(size))?;
         Ok([x, y, 1])
     }
-}
-
-/// Shape of one layer's attention on the GPU.
-#[derive(Debug, Clone, Copy)]
-pub struct AttentionShape {
-    pub num_heads: usize,
-    pub num_kv_heads: usize,
-    pub head_dim: usize,
-    /// Cache slots (positions modulo this).
-    pub capacity: usize,
-    /// Keys a query sees, itself included (`None` = all).
-    pub window: Option<usize>,
-}
-
-/// A block's queries, keys and values as rows of one buffer (the stacked q/k/v product): row `t`
-/// holds token t's queries, keys and values at their offsets (floats), `stride` floats apart.
-#[derive(Clone, Copy)]
-pub struct QkvRows<'b> {
-    pub buffer: &'b wgpu::Buffer,
-    pub stride: usize,
-    pub query: usize,
-    pub key: usize,
-    pub value: usize,
-    /// The queries, the keys still need their rotary embedding: the kernels apply it as they
-    /// read them.
-    pub rotate_query: bool,
-    pub rotate_key: bool,
-}
-
-/// What the attention kernel reads: the step (block start), the block's q/k/v rows, the per-token
-/// rotary tables (`[tokens, head_dim / 2]`, attention factor applied) and the cache (which it
-/// also writes the block's keys and values to).
-pub struct AttentionInputs<'b> {
-    pub step: &'b wgpu::Buffer,
-    pub rows: QkvRows<'b>,
-    pub cos: &'b wgpu::Buffer,
-    pub sin: &'b wgpu::Buffer,
-    pub keys: &'b wgpu::Buffer,
-    pub values: &'b wgpu::Buffer,
-}
-
-impl AttentionShape {
-    fn params(&self, tokens: usize, groups_x: u32, rows: &QkvRows) -> Result<[u32; 16]> {
-        let scaling = (self.head_dim as f64).powf(-0.5) as f32;
-        Ok([
-            u32_of(self.num_heads, "heads")?,
-            u32_of(self.num_kv_heads, "kv heads")?,
-            u32_of(self.head_dim, "head_dim")?,
-            u32_of(tokens, "tokens")?,
-            u32_of(self.capacity, "capacity")?,
-            u32_of(self.window.unwrap_or(0), "window")?,
-            scaling.to_bits(),
-            groups_x,
-            u32_of(rows.stride, "row stride")?,
-            u32_of(rows.query, "query offset")?,
-            u32_of(rows.key, "key offset")?,
-            u32_of(rows.value, "value offset")?,
-            rows.rotate_query as u32,
-            rows.rotate_key as u32,
-            0,
-            0,
-        ])
-    }
-
-    fn defines(&self) -> [(&'static str, String); 2] {
-        let max_head_dim = self.head_dim.div_ceil(64).max(1) * 64;
-        [
-            ("ATTEND", "1".into()),
-            ("MAX_HEAD_DIM", max_head_dim.to_string()),
-        ]
-    }
-}
-
-/// Stores the block's keys and values in the cache and attends `tokens` queries at positions
-/// `step.start + t` to the keys they see, with sinks.
-pub fn prepare_attention(
-    ctx: &GpuContext,
-    shape: AttentionShape,
-    tokens: usize,
-    inputs: &AttentionInputs,
-    sinks: &wgpu::Buffer,
-    out: &wgpu::Buffer,
-) -> Result<Dispatch> {
-    let i = inputs;
-    let buffers = [
-        i.step,
-        i.rows.buffer,
-        i.cos,
-        i.sin,
-        i.keys,
-        i.values,
-        sinks,
-        out,
-    ];
-    let workgroups = [
-        u32_of(tokens, "tokens")?,
-        u32_of(shape.num_heads, "heads")?,
-        1,
-    ];
-    let params = shape.params(tokens, 0, &i.rows)?;
-    ctx.prepare(
-        "attention.wgsl",
-        "attend",
-        &shape.defines(),
-        &params,
-        &buffers,
-        workgroups,
-    )
 }
 
 /// The MoE kernels' parameters: (tokens or rows, experts, top_k, width), (alpha, limit), groups_x.

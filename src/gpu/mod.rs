@@ -3,6 +3,7 @@
 //!
 //! Kernels are tested against the CPU tier's version of the same op (tests/gpu_kernels.rs).
 
+pub mod attention;
 pub mod bandwidth;
 pub mod context;
 pub mod kernels;

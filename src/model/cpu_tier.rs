@@ -14,6 +14,7 @@ use crate::cpu::matmul::{add_into, dense_matmul};
 use crate::cpu::moe::Routing;
 use crate::cpu::norm::rms_norm;
 use crate::error::Result;
+use crate::formats::KvFormat;
 use crate::weights::{DenseMatrix, LayerWeights};
 
 /// An expert's output for a block: the positions that chose it with their routing weights for
@@ -238,6 +239,19 @@ impl Tier for CpuTier<'_> {
         let (start, n) = (self.start, queries.len() / qd);
         let sinks = &self.model.weights.layers[layer].sinks;
         let mut out = vec![0f32; n * qd];
+        // Keys and values as the cache holds them, the block's own included.
+        let rounded = match self.model.kv_format {
+            KvFormat::F32 => None,
+            format => Some([keys, values].map(|v| {
+                let mut v = v.clone();
+                format.round(&mut v);
+                v
+            })),
+        };
+        let (keys, values) = match &rounded {
+            Some([keys, values]) => (keys, values),
+            None => (keys, values),
+        };
         {
             let cache = &*self.cache;
             // Kv head g's key and value at position j: from this block for its own positions,

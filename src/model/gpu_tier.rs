@@ -29,6 +29,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::experts::{ExpertKey, VramBudget};
 use crate::gpu::GpuContext;
+use crate::gpu::attention::MAX_SPLITS;
 use crate::gpu::kernels::{
     Dispatch, GpuExperts, MAX_GPU_TOP_LOGITS, Output, RowNorm, prepare_top_k,
 };
@@ -151,9 +152,17 @@ pub struct GpuCounters {
     pub cpu_expert_us: u64,
     /// Microseconds the host waited for readbacks (the GPU still working).
     pub readback_wait_us: u64,
+    /// Submissions whose commands were recorded while the GPU ran the token before.
+    pub prerecorded: u64,
 }
 
 impl GpuCounters {
+    /// Adds what `recorded` counted (a command buffer's dispatches and copies, once submitted).
+    fn add_recorded(&mut self, recorded: &GpuCounters) {
+        self.dispatches += recorded.dispatches;
+        self.copies += recorded.copies;
+    }
+
     /// What was counted since `earlier` (a snapshot of the same session's counters).
     pub fn since(&self, earlier: &GpuCounters) -> GpuCounters {
         GpuCounters {
@@ -163,6 +172,7 @@ impl GpuCounters {
             readbacks: self.readbacks - earlier.readbacks,
             cpu_expert_us: self.cpu_expert_us - earlier.cpu_expert_us,
             readback_wait_us: self.readback_wait_us - earlier.readback_wait_us,
+            prerecorded: self.prerecorded - earlier.prerecorded,
         }
     }
 }
@@ -177,6 +187,7 @@ struct Activations {
     /// The stacked q/k/v product: each token's queries, keys and values in one row.
     qkv: wgpu::Buffer,
     attention: wgpu::Buffer,
+    attention_partials: wgpu::Buffer,
     projected: wgpu::Buffer,
     router_logits: wgpu::Buffer,
     expert_ids: wgpu::Buffer,
@@ -265,6 +276,16 @@ pub struct GpuModel<'m> {
     debug: bool,
     /// Per-kernel device time (`GpuTierOptions::profile`).
     profiler: Option<Profiler>,
+    /// The next decoded token's commands, recorded while the GPU ran the previous token.
+    prepared: Option<PreparedDecode>,
+}
+
+/// A decode step's plan recorded ahead into a command buffer: its block key, and what recording
+/// counted (added to the session's counters when it is submitted).
+struct PreparedDecode {
+    key: (usize, Option<HeadOutput>),
+    commands: wgpu::CommandBuffer,
+    counted: GpuCounters,
 }
 
 /// Records plan steps into `encoder`: consecutive dispatches share one compute pass (with a
@@ -410,6 +431,11 @@ impl<'m> GpuModel<'m> {
             normed: zeroed("normed", f(b * h))?,
             qkv: zeroed("qkv", f(b * (cfg.q_dim() + 2 * cfg.kv_dim())))?,
             attention: zeroed("attention", f(b * cfg.q_dim()))?,
+            // A decode's keys split across workgroups (flash-decoding) pass through here.
+            attention_partials: zeroed(
+                "attention partials",
+                f(cfg.num_heads * MAX_SPLITS * (cfg.head_dim + 2)),
+            )?,
             projected: zeroed("projected", f(b * h))?,
             router_logits: zeroed("router logits", f(b * cfg.num_experts))?,
             expert_ids: zeroed("expert ids", f(b * k))?,
@@ -484,6 +510,7 @@ impl<'m> GpuModel<'m> {
             counters: GpuCounters::default(),
             debug: std::env::var("PICCHIO_GPU_DEBUG").is_ok_and(|v| v == "1"),
             profiler: None,
+            prepared: None,
             weights,
         };
         if gpu.options.profile {
@@ -520,9 +547,19 @@ impl<'m> GpuModel<'m> {
         Ok(())
     }
 
+    /// How this session's KV cache holds keys and values (`--kv-cache`).
+    pub(super) fn kv_format(&self) -> crate::formats::KvFormat {
+        self.model.kv_format
+    }
+
+    /// Bytes of one position's keys (or values) in a layer's KV buffer.
+    fn kv_row_bytes(&self) -> u64 {
+        (self.config.kv_dim() * self.kv_format().bytes_per_value()) as u64
+    }
+
     /// Most positions one KV buffer can bind on this device.
     fn max_kv_positions(&self) -> usize {
-        (self.weights.ctx.max_binding_bytes / (self.config.kv_dim() as u64 * 4)) as usize
+        (self.weights.ctx.max_binding_bytes / self.kv_row_bytes()) as usize
     }
 
     /// KV buffers of layer `l` able to hold `needed` positions: a ring of window + block - 1 slots
@@ -540,7 +577,7 @@ impl<'m> GpuModel<'m> {
                 "layer {l}: a ring of {wanted} key positions exceeds this GPU's binding limit ({capacity})"
             )));
         }
-        let bytes = (capacity * self.config.kv_dim() * 4) as u64;
+        let bytes = capacity as u64 * self.kv_row_bytes();
         Ok(KvBuffers {
             keys: self.weights.ctx.zeroed(&format!("layer {l} keys"), bytes)?,
             values: self
@@ -572,7 +609,7 @@ impl<'m> GpuModel<'m> {
                 )));
             }
             let old = &self.kv[l];
-            let bytes = (old.capacity * self.config.kv_dim() * 4) as u64;
+            let bytes = old.capacity as u64 * self.kv_row_bytes();
             let mut encoder = self
                 .weights
                 .ctx
@@ -589,6 +626,7 @@ impl<'m> GpuModel<'m> {
         if grown {
             // Bind groups point at the old buffers.
             self.plans.clear();
+            self.prepared = None;
         }
         Ok(())
     }
@@ -712,6 +750,7 @@ impl<'m> GpuModel<'m> {
             check_finite(&logits, self.len)?;
             return Ok(super::generate::step_of(&logits, top_logits));
         }
+        self.prepare_decode(HeadOutput::Top)?;
         let top = self.read_top()?;
         // The device chose them: NaN in the logits leaves a non-finite value among the best two,
         // or no id at all (every comparison with NaN fails).
@@ -742,6 +781,7 @@ impl<'m> GpuModel<'m> {
     /// back whole from the device, or computed by the CPU tier's head).
     pub fn feed_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         let logits = if self.run_tokens(tokens, HeadOutput::Logits)? {
+            self.prepare_decode(HeadOutput::Logits)?;
             bytemuck::pod_collect_to_vec(&self.read_head(HeadOutput::Logits)?)
         } else {
             self.model.head(&self.cpu_last_hidden)
@@ -831,8 +871,11 @@ impl<'m> GpuModel<'m> {
         let plan = self.plans.remove(&(n, head)).unwrap_or_default();
         let weights = Arc::clone(&self.weights);
         let (turn, mut table) = weights.take_turn();
+        let prepared = self.prepared.take().filter(|p| p.key == (n, head));
         let result = if self.debug {
             self.run_plan_debug(&plan, n, table.as_deref_mut())
+        } else if let Some(prepared) = prepared {
+            self.submit_prepared(prepared)
         } else {
             self.run_plan(&plan, n, table.as_deref_mut())
         };
@@ -941,6 +984,57 @@ impl<'m> GpuModel<'m> {
         if let Some(profiler) = &mut self.profiler {
             profiler.collect(&self.weights.ctx)?;
         }
+        Ok(())
+    }
+
+    /// Records the next single-token block's plan (head leaving `output`) while the GPU runs the
+    /// block just submitted, so that decoding that token only writes its inputs and submits:
+    /// where the plan submits once (every expert resident, no host action in between), and
+    /// neither the debug mode nor a profiler records per kernel. The plan's inputs (embedding,
+    /// position, rotary tables) are buffers written before the submission, so the same commands
+    /// serve any token at any position.
+    fn prepare_decode(&mut self, output: HeadOutput) -> Result<()> {
+        self.prepared = None;
+        let key = (1, Some(output));
+        if !self.plans.contains_key(&key) {
+            let plan = self.scoped(|model| model.build_plan(1, Some(output)))?;
+            self.plans.insert(key, plan);
+        }
+        let plan = &self.plans[&key];
+        let acts =
+            |step: &PlanStep| matches!(step, PlanStep::PlaceExperts { .. } | PlanStep::CpuExperts);
+        if self.debug || self.profiler.is_some() || plan.iter().any(acts) {
+            return Ok(());
+        }
+        let mut counted = GpuCounters::default();
+        let commands = self.weights.ctx.guard(|| {
+            let mut encoder = self
+                .weights
+                .ctx
+                .device
+                .create_command_encoder(&Default::default());
+            record(&mut encoder, plan, &self.used_slots, &mut counted, None);
+            Ok(encoder.finish())
+        })?;
+        self.prepared = Some(PreparedDecode {
+            key,
+            commands,
+            counted,
+        });
+        Ok(())
+    }
+
+    /// Submits a decode step recorded ahead (`prepare_decode`).
+    fn submit_prepared(&mut self, prepared: PreparedDecode) -> Result<()> {
+        self.cpu_misses = None;
+        self.guess = None;
+        self.weights.ctx.guard(|| {
+            self.weights.ctx.queue.submit([prepared.commands]);
+            Ok(())
+        })?;
+        self.counters.submits += 1;
+        self.counters.add_recorded(&prepared.counted);
+        self.counters.prerecorded += 1;
         Ok(())
     }
 

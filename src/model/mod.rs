@@ -56,6 +56,8 @@ pub struct Model {
     pub expert_activations: crate::cpu::q8_activations::ExpertActivations,
     /// Whether the weights a token reads were copied into memory (`MmapMode`).
     pub weights_in_memory: bool,
+    /// How both tiers' KV caches hold keys and values (`--kv-cache`).
+    pub kv_format: crate::formats::KvFormat,
     /// Per proxy (A, B): experts predicted right, and experts to predict.
     prediction: [(std::sync::atomic::AtomicU64, std::sync::atomic::AtomicU64); 2],
 }
@@ -154,6 +156,8 @@ pub struct ModelOptions {
     pub expert_activations: crate::cpu::q8_activations::ExpertActivations,
     /// Whether the weights stay mapped from the checkpoint or are copied into memory.
     pub mmap: MmapMode,
+    /// How the KV caches hold keys and values (f32, exact, by default).
+    pub kv_format: crate::formats::KvFormat,
     /// Lay MXFP4 experts copied into memory out for the CPU tier's AVX-512 kernel, where it
     /// runs (`cpu::simd::interleave_mxfp4_runs`: the same results from fewer shuffles per
     /// weight). The GPU tier cannot read them then: for CPU-only runs, with exact expert inputs.
@@ -232,6 +236,7 @@ impl Default for ModelOptions {
             dense_format: crate::cpu::q8::DenseFormat::default(),
             expert_activations: Default::default(),
             mmap: MmapMode::default(),
+            kv_format: Default::default(),
             interleave_experts: false,
             check_records: true,
             usage_dir: None,
@@ -333,6 +338,7 @@ impl Model {
             q8,
             expert_activations: options.expert_activations,
             weights_in_memory,
+            kv_format: options.kv_format,
             prediction: Default::default(),
         })
     }

@@ -6,10 +6,10 @@ use super::weights::ResidentExperts;
 use super::{GpuModel, PlanStep, add, add_experts};
 use crate::arch::{Activation, AttentionSpec, ExpertSpec, Gating, RouterSpec};
 use crate::error::{Error, Result};
+use crate::gpu::attention::{AttentionInputs, AttentionShape, QkvRows, prepare_attention};
 use crate::gpu::kernels::{
-    AttentionInputs, AttentionShape, Output, QkvRows, RouterWeights, RoutingBuffers, RowNorm,
-    prepare_add, prepare_attention, prepare_combine, prepare_rms_norm, prepare_route,
-    prepare_route_normed, prepare_swiglu,
+    Output, RouterWeights, RoutingBuffers, RowNorm, prepare_add, prepare_combine, prepare_rms_norm,
+    prepare_route, prepare_route_normed, prepare_swiglu,
 };
 use crate::model::block::{Norm, Projection, Tier};
 
@@ -363,6 +363,8 @@ impl Tier for PlanRecorder<'_, '_> {
             head_dim: spec.head_dim,
             capacity: kv.capacity,
             window: spec.window,
+            kv_format: gpu.kv_format(),
+            splits: AttentionShape::splits_for(n, kv.capacity),
         };
         let sinks = &gpu.weights.layers[layer].sinks;
         let ctx = &gpu.weights.ctx;
@@ -373,9 +375,10 @@ impl Tier for PlanRecorder<'_, '_> {
             sin: &a.sin,
             keys: &kv.keys,
             values: &kv.values,
+            partials: Some(&a.attention_partials),
         };
         let attend = prepare_attention(ctx, shape, n, &inputs, sinks, &a.attention)?;
-        add(&mut self.steps, vec![attend]);
+        add(&mut self.steps, attend);
         Ok(Self::act(&a.attention, queries.width))
     }
 
