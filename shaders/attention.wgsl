@@ -18,8 +18,9 @@
 //   slot per position.
 //   Without SPLIT the one split covers every key and the sink joins as one more logit with no
 //   value. With SPLIT (decode over long contexts: more workgroups than KV heads), split s takes
-//   keys first + s * keys_per_split onwards and writes its running max, sum and accumulators to
-//   `partials`; entry `merge` (MERGE) then combines the splits and the sink per (token, head).
+//   the s-th of `splits` equal shares of the keys its query sees and writes its running max, sum
+//   and accumulators to `partials`; entry `merge` (MERGE) then combines the splits and the sink
+//   per (token, head).
 //
 // KV_F16: the cache holds f16 pairs in u32 words, rounded to nearest even; the block's own keys
 // and values are rounded the same way as they are read, so every key a query sees is the f16
@@ -45,8 +46,8 @@ struct Params {
     v_offset: u32,
     rotate_q: u32,
     rotate_k: u32,
-    keys_per_split: u32,
     pad0: u32,
+    pad1: u32,
 }
 
 // Per-step values written by the host before each submission.
@@ -175,35 +176,46 @@ fn cache_row(j: u32, g: u32) -> u32 {
     return ((j % p.capacity) * p.num_kv_heads + g) * HEAD_DIM;
 }
 
-// Elements i and i + 1 (i even) of key j of KV head g (the block's keys rotated as they are read).
+// Elements i and i + 1 (i even) of block token b's key of KV head g, rotated, as computed.
+fn block_key(b: u32, g: u32, i: u32) -> vec2<f32> {
+    let head = b * p.row_stride + p.k_offset + g * HEAD_DIM;
+    return vec2<f32>(head_value(head, i, b, p.rotate_k), head_value(head, i + 1u, b, p.rotate_k));
+}
+
+// Element i of block token b's value of KV head g, as computed.
+fn block_value(b: u32, g: u32, i: u32) -> f32 {
+    return qkv[b * p.row_stride + p.v_offset + g * HEAD_DIM + i];
+}
+
+// Elements i and i + 1 (i even) of key j of KV head g, as the cache holds it.
 fn key_pair(j: u32, g: u32, i: u32) -> vec2<f32> {
     if (j >= step.start) {
-        let b = j - step.start;
-        let head = b * p.row_stride + p.k_offset + g * HEAD_DIM;
-        return vec2<f32>(
-            kv_round(head_value(head, i, b, p.rotate_k)),
-            kv_round(head_value(head, i + 1u, b, p.rotate_k)),
-        );
+        let key = block_key(j - step.start, g, i);
+        return vec2<f32>(kv_round(key.x), kv_round(key.y));
     }
     return cached_pair(true, cache_row(j, g), i);
 }
 
-// Element i of value j of KV head g.
+// Element i of value j of KV head g, as the cache holds it.
 fn value_at(j: u32, g: u32, i: u32) -> f32 {
     if (j >= step.start) {
-        return kv_round(qkv[(j - step.start) * p.row_stride + p.v_offset + g * HEAD_DIM + i]);
+        return kv_round(block_value(j - step.start, g, i));
     }
+#if KV_F16
     let pair = cached_pair(false, cache_row(j, g), i & ~1u);
     return select(pair.x, pair.y, (i & 1u) == 1u);
+#else
+    return v_cache[cache_row(j, g) + i];
+#endif
 }
 
-// Stores token t's key (rotated) and value of KV head g at its position's slot.
+// Stores block token t's key (rotated) and value of KV head g at its position's slot, rounded
+// once from the computed values.
 fn store(t: u32, g: u32, lid: u32) {
-    let position = step.start + t;
-    let row = cache_row(position, g);
+    let row = cache_row(step.start + t, g);
     for (var i = 2u * lid; i < HEAD_DIM; i = i + 2u * WG) {
-        let key = key_pair(position, g, i);
-        let value = vec2<f32>(value_at(position, g, i), value_at(position, g, i + 1u));
+        let key = block_key(t, g, i);
+        let value = vec2<f32>(block_value(t, g, i), block_value(t, g, i + 1u));
 #if KV_F16
         k_cache[(row + i) / 2u] = kv_pack(key.x, key.y);
         v_cache[(row + i) / 2u] = kv_pack(value.x, value.y);
@@ -225,14 +237,16 @@ var<workgroup> running_sum: array<f32, GROUP>;
 var<workgroup> rescale: array<f32, GROUP>;
 
 // Keys [first, position] of token t's query, cut to this split's share: (lo, hi), hi exclusive.
+// The splits share the keys the query sees, whatever the cache's size.
 fn split_keys(position: u32, split: u32) -> vec2<u32> {
     var first = 0u;
     if (p.window > 0u && position + 1u > p.window) {
         first = position + 1u - p.window;
     }
-    let lo = first + split * p.keys_per_split;
-    let hi = min(position + 1u, lo + p.keys_per_split);
-    return vec2<u32>(lo, max(lo, hi));
+    let share = (position + 1u - first + p.splits - 1u) / p.splits;
+    let lo = min(position + 1u, first + split * share);
+    let hi = min(position + 1u, lo + share);
+    return vec2<u32>(lo, hi);
 }
 
 // Scores of `count` keys from j0 against the GROUP queries, into `scores` (as exponentials of
@@ -260,26 +274,26 @@ fn softmax_tile(g: u32, j0: u32, count: u32, lid: u32) {
         scores[e] = s;
     }
     workgroupBarrier();
-    if (lid < GROUP) {
+    for (var h = lid; h < GROUP; h = h + WG) {
         var tile_max = NEG;
         for (var key = 0u; key < count; key = key + 1u) {
-            tile_max = max(tile_max, scores[lid * TILE + key]);
+            tile_max = max(tile_max, scores[h * TILE + key]);
         }
-        let new_max = max(running_max[lid], tile_max);
-        rescale[lid] = exp(running_max[lid] - new_max);
-        running_max[lid] = new_max;
+        let new_max = max(running_max[h], tile_max);
+        rescale[h] = exp(running_max[h] - new_max);
+        running_max[h] = new_max;
     }
     workgroupBarrier();
     for (var e = lid; e < GROUP * TILE; e = e + WG) {
         scores[e] = exp(scores[e] - running_max[e / TILE]);
     }
     workgroupBarrier();
-    if (lid < GROUP) {
-        var sum = running_sum[lid] * rescale[lid];
+    for (var h = lid; h < GROUP; h = h + WG) {
+        var sum = running_sum[h] * rescale[h];
         for (var key = 0u; key < count; key = key + 1u) {
-            sum = sum + scores[lid * TILE + key];
+            sum = sum + scores[h * TILE + key];
         }
-        running_sum[lid] = sum;
+        running_sum[h] = sum;
     }
 }
 
@@ -296,9 +310,9 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         let h = g * GROUP + e / HEAD_DIM;
         queries[e] = head_value(t * p.row_stride + p.q_offset + h * HEAD_DIM, e % HEAD_DIM, t, p.rotate_q);
     }
-    if (lid < GROUP) {
-        running_max[lid] = NEG;
-        running_sum[lid] = 0.0;
+    for (var h = lid; h < GROUP; h = h + WG) {
+        running_max[h] = NEG;
+        running_sum[h] = 0.0;
     }
     workgroupBarrier();
 

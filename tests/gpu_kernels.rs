@@ -781,12 +781,14 @@ const ATTENTION_CASES: &[AttentionCase] = &[
     case((2, 1, 96), (130, 2), None, true),   // head_dim above 64, several tiles
     // GPT-OSS shape: 64 heads of 64, 8 kv heads, decode with the 128-key window.
     case((64, 8, 64), (300, 1), Some(128), true),
-    // Decode with the keys split across workgroups: more splits than tiles, uneven shares,
-    // splits left empty by the window, a head_dim above 64.
+    // Decode with the keys split across workgroups: GPT-OSS's shape over 701 keys, uneven shares,
+    // shares of a window, a head_dim above 64 with more splits than tiles.
     case((64, 8, 64), (700, 1), None, true).split(3),
     case((6, 2, 32), (90, 1), None, true).split(7),
     case((6, 2, 32), (300, 1), Some(16), true).split(4),
     case((2, 1, 96), (200, 1), None, true).split(32),
+    // More query heads per KV head than lanes.
+    case((72, 1, 16), (40, 1), None, true).split(2),
     // The f16 cache, against the CPU with the same rounding.
     case((4, 2, 16), (10, 3), Some(4), false).f16(),
     case((64, 8, 64), (300, 1), None, true).f16(),
@@ -1012,6 +1014,17 @@ fn attention_splits_only_long_decodes() {
     assert_eq!(AttentionShape::splits_for(1, 257), 2);
     assert_eq!(AttentionShape::splits_for(1, 1 << 20), MAX_SPLITS);
     assert_eq!(AttentionShape::splits_for(8, 1 << 20), 1);
+    // A sliding layer's ring holds more slots than its window: the window decides.
+    let ring = AttentionShape {
+        num_heads: 64,
+        num_kv_heads: 8,
+        head_dim: 64,
+        capacity: 128 + 512 - 1,
+        window: Some(128),
+        kv_format: KvFormat::F32,
+        splits: 1,
+    };
+    assert_eq!(AttentionShape::splits_for(1, ring.most_visible_keys()), 1);
 }
 
 #[test]

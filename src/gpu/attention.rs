@@ -28,7 +28,7 @@ pub struct AttentionShape {
     /// Keys a query sees, itself included (`None` = all).
     pub window: Option<usize>,
     pub kv_format: KvFormat,
-    /// Workgroups each query's keys are split across (1: no merge dispatch).
+    /// Workgroups each query's keys are split across, in equal shares (1: no merge dispatch).
     pub splits: usize,
 }
 
@@ -62,14 +62,19 @@ pub struct AttentionInputs<'b> {
 }
 
 impl AttentionShape {
-    /// The splits for a block of `tokens` queries over a cache of `capacity` slots: a decode over
-    /// a long cache spreads its keys over more workgroups than there are KV heads; a prompt's
+    /// The splits for a block of `tokens` queries that see up to `visible` keys each: a decode
+    /// over many keys spreads them over more workgroups than there are KV heads; a prompt's
     /// tokens already give every KV head many.
-    pub fn splits_for(tokens: usize, capacity: usize) -> usize {
+    pub fn splits_for(tokens: usize, visible: usize) -> usize {
         match tokens {
-            1 => capacity.div_ceil(SPLIT_KEYS).clamp(1, MAX_SPLITS),
+            1 => visible.div_ceil(SPLIT_KEYS).clamp(1, MAX_SPLITS),
             _ => 1,
         }
+    }
+
+    /// The most keys one query sees: the window, or every slot of the cache.
+    pub fn most_visible_keys(&self) -> usize {
+        self.window.map_or(self.capacity, |w| w.min(self.capacity))
     }
 
     /// Bytes of the partial results of `tokens` queries with `splits` splits.
@@ -84,10 +89,6 @@ impl AttentionShape {
 
     fn group(&self) -> usize {
         self.num_heads / self.num_kv_heads
-    }
-
-    fn keys_per_split(&self) -> usize {
-        self.capacity.div_ceil(self.splits)
     }
 
     fn check(&self) -> Result<()> {
@@ -141,7 +142,7 @@ impl AttentionShape {
             u32_of(rows.value, "value offset")?,
             rows.rotate_query as u32,
             rows.rotate_key as u32,
-            u32_of(self.keys_per_split(), "keys per split")?,
+            0,
             0,
         ])
     }

@@ -750,7 +750,7 @@ impl<'m> GpuModel<'m> {
             check_finite(&logits, self.len)?;
             return Ok(super::generate::step_of(&logits, top_logits));
         }
-        self.prepare_decode(HeadOutput::Top)?;
+        self.prepare_decode_or_log(HeadOutput::Top);
         let top = self.read_top()?;
         // The device chose them: NaN in the logits leaves a non-finite value among the best two,
         // or no id at all (every comparison with NaN fails).
@@ -781,7 +781,7 @@ impl<'m> GpuModel<'m> {
     /// back whole from the device, or computed by the CPU tier's head).
     pub fn feed_logits(&mut self, tokens: &[u32]) -> Result<Vec<f32>> {
         let logits = if self.run_tokens(tokens, HeadOutput::Logits)? {
-            self.prepare_decode(HeadOutput::Logits)?;
+            self.prepare_decode_or_log(HeadOutput::Logits);
             bytemuck::pod_collect_to_vec(&self.read_head(HeadOutput::Logits)?)
         } else {
             self.model.head(&self.cpu_last_hidden)
@@ -1022,6 +1022,17 @@ impl<'m> GpuModel<'m> {
             counted,
         });
         Ok(())
+    }
+
+    /// `prepare_decode`, whose failure costs only the head start: the token just run stands, and
+    /// the next one records its plan when it runs.
+    fn prepare_decode_or_log(&mut self, output: HeadOutput) {
+        if let Err(e) = self.prepare_decode(output) {
+            self.prepared = None;
+            log::warn!(
+                "recording the next decode step ahead failed ({e}); it records when it runs"
+            );
+        }
     }
 
     /// Submits a decode step recorded ahead (`prepare_decode`).

@@ -364,7 +364,11 @@ impl Tier for PlanRecorder<'_, '_> {
             capacity: kv.capacity,
             window: spec.window,
             kv_format: gpu.kv_format(),
-            splits: AttentionShape::splits_for(n, kv.capacity),
+            splits: 1,
+        };
+        let shape = AttentionShape {
+            splits: AttentionShape::splits_for(n, shape.most_visible_keys()),
+            ..shape
         };
         let sinks = &gpu.weights.layers[layer].sinks;
         let ctx = &gpu.weights.ctx;
