@@ -7,7 +7,8 @@
 //   (moe.wgsl's combine order), of weight[p] * (W[e][r] . act[p] + b[e][r]).
 // Entries `gate_up_swiglu_grouped` (SWIGLU, GROUPED) and `down_grouped` (DOWN, GROUPED, writing
 //   y[p][r] = W[e][r] . act[p] + b[e][r] for moe.wgsl's combine): the same products for a prompt
-//   block, its pairs grouped by expert (below).
+//   block, in tiles of its pairs grouped by expert (below), which router.wgsl's `sort_pairs`
+//   lists.
 //
 // Weights are MXFP4 (MXFP4: E2M1 nibbles, low nibble first, one E8M0 scale byte per 32 inputs) or
 // INT4 (INT4: nibbles q - 8, one f16 scale per 32 inputs), rows of 16-byte groups, over up to
@@ -50,7 +51,10 @@ struct Params {
 #endif
 @group(0) @binding(9) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(10) var<storage, read> bias: array<f32>;
+#if GROUPED
+#else
 @group(0) @binding(11) var<storage, read> ids: array<u32>;
+#endif
 #if SWIGLU
 @group(0) @binding(12) var<storage, read_write> act: array<f32>;
 
@@ -176,6 +180,9 @@ fn with_bias(total: f32, e: u32, r: u32) -> f32 {
     return total;
 }
 
+// The per-pair entries (a decode token's pairs, or a prompt block's without grouping).
+#if GROUPED
+#else
 #if SWIGLU
 // Each row's sum, for the gate row's lane to read its up row's.
 var<workgroup> row_sums: array<f32, ROWS>;
@@ -236,126 +243,173 @@ fn down_combine(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
     }
 }
 #endif
+#endif
 
 #if GROUPED
-// A prompt block's pairs grouped by expert: one workgroup per (row block, expert) takes the
-// block's pairs routed to its expert BATCH at a time, and each weight word is loaded and decoded
-// once for the whole batch, so an expert's rows are read once per BATCH of its pairs, not once
-// per pair.
-const BATCH: u32 = 8u;
-// The round's pairs, and how many there are.
-var<workgroup> batch: array<u32, BATCH>;
-var<workgroup> batch_count: u32;
-// Each row's total for each pair of the round: sums[slot * BATCH + q].
-var<workgroup> sums: array<f32, ROWS * BATCH>;
+// A prompt block's pairs grouped by expert (SORT below lists them): one workgroup per (tile of
+// TILE_ROWS rows, tile of up to TILE_PAIRS pairs of one expert). Each step stages one 32-input
+// group of the tile's weights, decoded and scaled once for every pair of the tile (the scale is
+// a power of two for MXFP4, so the products are those of the per-pair kernels), and the pairs'
+// inputs, in workgroup memory; each lane keeps 8 rows x 4 pairs of sums in registers. An
+// expert's rows are read once per TILE_PAIRS of its pairs.
+const TILE_ROWS: u32 = 64u;
+// At most this many pairs of one expert per tile (router.wgsl's `sort_pairs` cuts them so).
+const TILE_PAIRS: u32 = 32u;
+// Tile rows padded by one value, so that lanes reading down a column hit distinct banks.
+const TILE_PAD: u32 = 33u;
+const LANE_ROWS: u32 = 8u;
+const LANE_PAIRS: u32 = 4u;
 
-// Lane 0 collects the next (up to BATCH) pairs routed to expert e from *cursor on; every lane
-// gets their count (0 when none is left).
-fn next_batch(lid: u32, e: u32, cursor: ptr<function, u32>) -> u32 {
+@group(0) @binding(11) var<storage, read> order: array<u32>;
+@group(0) @binding(13) var<storage, read> tiles: array<u32>;
+
+var<workgroup> w_tile: array<f32, TILE_ROWS * TILE_PAD>;
+var<workgroup> x_tile: array<f32, TILE_PAIRS * TILE_PAD>;
+var<workgroup> tile_info: vec3<u32>;
+
+// The workgroup's tile: (expert, first index into `order`, pairs); no pairs past the last tile.
+fn tile_of(lid: u32, tile: u32) -> vec3<u32> {
     if (lid == 0u) {
-        var count = 0u;
-        while (*cursor < p.pairs && count < BATCH) {
-            if (ids[*cursor] == e) {
-                batch[count] = *cursor;
-                count = count + 1u;
-            }
-            *cursor = *cursor + 1u;
+        var info = vec3<u32>(0u, 0u, 0u);
+        if (tile < tiles[0]) {
+            info = vec3<u32>(tiles[1u + 3u * tile], tiles[2u + 3u * tile], tiles[3u + 3u * tile]);
         }
-        batch_count = count;
+        tile_info = info;
     }
-    return workgroupUniformLoad(&batch_count);
+    return workgroupUniformLoad(&tile_info);
 }
 
-// The round's products of expert e's row r (this lane's slot) into `sums`.
-fn batch_products(lid: u32, e: u32, r: u32, count: u32) {
-    let slot = lid / LANES;
-    let lane = lid % LANES;
+// The 32 weights of one group (its 16-byte word, lowest nibble first) times the group's scale
+// (index s into chunk c's scales).
+fn decode_group(word: vec4<u32>, c: u32, s: u32) -> array<f32, 32> {
+#if MXFP4
+    let exponent = i32((scale_word(c, s >> 2u) >> (8u * (s & 3u))) & 0xffu) - 127;
+#endif
+#if INT4
+    let pair = unpack2x16float(scale_word(c, s >> 1u));
+    let scale = select(pair.x, pair.y, (s & 1u) == 1u);
+#endif
+    var values: array<f32, 32>;
+    for (var k = 0u; k < 4u; k = k + 1u) {
+        for (var n = 0u; n < 8u; n = n + 1u) {
+            let v = nibble_value((word[k] >> (4u * n)) & 15u);
+#if MXFP4
+            values[8u * k + n] = ldexp(v, exponent);
+#endif
+#if INT4
+            values[8u * k + n] = v * scale;
+#endif
+        }
+    }
+    return values;
+}
+
+// Row (within the tile) of lane row `lane_row`'s j-th sum: a gate row and the up row after it
+// in the same lane, so the SwiGLU needs no other lane's sums.
+fn tile_row(lane_row: u32, j: u32) -> u32 {
+    return 16u * (j / 2u) + 2u * lane_row + (j % 2u);
+}
+
+// Stages input group g of the tile: expert e's rows row0.. (decoded, scaled; zeros past the
+// expert's rows) and the tile's pairs' inputs (zeros past its pairs).
+fn stage_group(lid: u32, e: u32, row0: u32, info: vec3<u32>, g: u32) {
     let groups = p.cols / 32u;
     let c = e / p.per_chunk;
-    let row = (e % p.per_chunk) * p.rows + r;
-    var acc: array<f32, BATCH>;
+    let r = row0 + lid;
+    var values: array<f32, 32>;
     if (r < p.rows) {
-        for (var g = lane; g < groups; g = g + LANES) {
-            let word = weight_word(c, row * groups + g);
-            var group_sums: array<f32, BATCH>;
-            for (var k = 0u; k < 4u; k = k + 1u) {
-                let low = low_nibbles(word[k]);
-                let high = high_nibbles(word[k]);
-                for (var q = 0u; q < count; q = q + 1u) {
-                    let xg = (batch[q] / p.x_div) * (p.cols / 4u) + g * 8u + 2u * k;
-                    group_sums[q] = group_sums[q] + dot(low, x[xg]) + dot(high, x[xg + 1u]);
-                }
-            }
-            for (var q = 0u; q < count; q = q + 1u) {
-                acc[q] = acc[q] + scaled(group_sums[q], c, row * groups + g);
-            }
-        }
+        let row = (e % p.per_chunk) * p.rows + r;
+        values = decode_group(weight_word(c, row * groups + g), c, row * groups + g);
     }
-    // `count` is uniform (a workgroupUniformLoad): every lane reaches the same barriers.
-    for (var q = 0u; q < count; q = q + 1u) {
-        let total = reduce_lanes(lid, LANES, acc[q]);
-        if (lane == 0u) {
-            sums[slot * BATCH + q] = total;
+    for (var k = 0u; k < 32u; k = k + 1u) {
+        w_tile[lid * TILE_PAD + k] = values[k];
+    }
+    for (var e2 = lid; e2 < TILE_PAIRS * 32u; e2 = e2 + WG) {
+        let q = e2 / 32u;
+        let k = e2 % 32u;
+        var v = 0.0;
+        if (q < info.z) {
+            let input = order[info.y + q] / p.x_div;
+            v = x[input * (p.cols / 4u) + g * 8u + k / 4u][k % 4u];
         }
-        workgroupBarrier();
+        x_tile[q * TILE_PAD + k] = v;
     }
 }
 
-// Writes the round's outputs of expert e's row r (this lane's slot): the SwiGLU of each gate row
-// and the up row beside it, or each down row.
-fn finish_round(lid: u32, e: u32, r: u32, count: u32) {
-    let slot = lid / LANES;
-    if (lid % LANES != 0u) {
+// The rounds of one (row tile, pair tile) workgroup; writes each of its pairs' outputs.
+fn grouped_tile(wg: vec3<u32>, lid: u32) {
+    load_table(lid);
+    let info = tile_of(lid, wg.z);
+    if (info.z == 0u) {
         return;
     }
-#if SWIGLU
-    // Even slots hold gate rows, the next slot the same unit's up row (ROWS is even).
-    if (slot % 2u == 0u && r + 1u < p.rows) {
-        for (var q = 0u; q < count; q = q + 1u) {
-            let gate = with_bias(sums[slot * BATCH + q], e, r);
-            let up = with_bias(sums[(slot + 1u) * BATCH + q], e, r + 1u);
-            act[batch[q] * (p.rows / 2u) + r / 2u] = clamped_swiglu(gate, up, p.alpha, p.limit);
+    let e = info.x;
+    let row0 = (wg.x + wg.y * p.groups_x) * TILE_ROWS;
+    let lane_row = lid % LANE_ROWS;
+    let lane_pair = lid / LANE_ROWS;
+    var acc: array<f32, 32>;   // [i * LANE_ROWS + j]
+    for (var g = 0u; g < p.cols / 32u; g = g + 1u) {
+        stage_group(lid, e, row0, info, g);
+        workgroupBarrier();
+        // This step's sums first, then into the totals: two levels keep long rows' rounding
+        // error near the per-row kernels'.
+        var step_sums: array<f32, 32>;
+        for (var k = 0u; k < 32u; k = k + 1u) {
+            var inputs: array<f32, 4>;
+            for (var i = 0u; i < LANE_PAIRS; i = i + 1u) {
+                inputs[i] = x_tile[(lane_pair + 8u * i) * TILE_PAD + k];
+            }
+            for (var j = 0u; j < LANE_ROWS; j = j + 1u) {
+                let weight = w_tile[tile_row(lane_row, j) * TILE_PAD + k];
+                for (var i = 0u; i < LANE_PAIRS; i = i + 1u) {
+                    step_sums[i * LANE_ROWS + j] = step_sums[i * LANE_ROWS + j] + weight * inputs[i];
+                }
+            }
         }
-    }
-#endif
-#if DOWN
-    if (r < p.rows) {
-        for (var q = 0u; q < count; q = q + 1u) {
-            y[batch[q] * p.rows + r] = with_bias(sums[slot * BATCH + q], e, r);
+        for (var n = 0u; n < 32u; n = n + 1u) {
+            acc[n] = acc[n] + step_sums[n];
         }
+        workgroupBarrier();
     }
-#endif
-}
-
-// The rounds of one (row block, expert) workgroup over the block's pairs routed to its expert.
-fn grouped_rounds(wg: vec3<u32>, lid: u32) {
-    load_table(lid);
-    let r = (wg.x + wg.y * p.groups_x) * ROWS + lid / LANES;
-    let e = wg.z;
-    var cursor = 0u;
-    loop {
-        let count = next_batch(lid, e, &cursor);
-        if (count == 0u) {
+    for (var i = 0u; i < LANE_PAIRS; i = i + 1u) {
+        let q = lane_pair + 8u * i;
+        if (q >= info.z) {
             break;
         }
-        batch_products(lid, e, r, count);
-        finish_round(lid, e, r, count);
-        // The next round refills `batch` and `sums`.
-        workgroupBarrier();
+        let pair = order[info.y + q];
+        for (var j = 0u; j < LANE_ROWS; j = j + 2u) {
+            let r = row0 + tile_row(lane_row, j);
+#if SWIGLU
+            // r is a gate row, r + 1 its unit's up row (rows come in pairs).
+            if (r + 1u < p.rows) {
+                let gate = with_bias(acc[i * LANE_ROWS + j], e, r);
+                let up = with_bias(acc[i * LANE_ROWS + j + 1u], e, r + 1u);
+                act[pair * (p.rows / 2u) + r / 2u] = clamped_swiglu(gate, up, p.alpha, p.limit);
+            }
+#endif
+#if DOWN
+            if (r < p.rows) {
+                y[pair * p.rows + r] = with_bias(acc[i * LANE_ROWS + j], e, r);
+            }
+            if (r + 1u < p.rows) {
+                y[pair * p.rows + r + 1u] = with_bias(acc[i * LANE_ROWS + j + 1u], e, r + 1u);
+            }
+#endif
+        }
     }
 }
 
 #if SWIGLU
 @compute @workgroup_size(64)
 fn gate_up_swiglu_grouped(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    grouped_rounds(wg, lid);
+    grouped_tile(wg, lid);
 }
 #endif
 
 #if DOWN
 @compute @workgroup_size(64)
 fn down_grouped(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
-    grouped_rounds(wg, lid);
+    grouped_tile(wg, lid);
 }
 #endif
 #endif

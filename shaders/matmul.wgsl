@@ -345,6 +345,9 @@ fn dense_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
     for (var k0 = 0u; k0 < p.cols; k0 = k0 + TILE_K) {
         load_tiles(row0, token0, k0, lid);
         workgroupBarrier();
+        // This step's sums first, then into the totals: two levels keep long rows' rounding
+        // error near the per-row kernels'.
+        var step_sums: array<f32, 32>;
         for (var k = 0u; k < TILE_K; k = k + 1u) {
             var inputs: array<f32, 4>;
             for (var i = 0u; i < LANE_TOKENS; i = i + 1u) {
@@ -356,9 +359,12 @@ fn dense_tiled(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
             for (var j = 0u; j < LANE_ROWS; j = j + 1u) {
                 let weight = w_tile[(lane_row + 8u * j) * TILE_PAD + k];
                 for (var i = 0u; i < LANE_TOKENS; i = i + 1u) {
-                    acc[i * LANE_ROWS + j] = acc[i * LANE_ROWS + j] + weight * inputs[i];
+                    step_sums[i * LANE_ROWS + j] = step_sums[i * LANE_ROWS + j] + weight * inputs[i];
                 }
             }
+        }
+        for (var n = 0u; n < 32u; n = n + 1u) {
+            acc[n] = acc[n] + step_sums[n];
         }
 #if NORMED
         if (lid < TILE_TOKENS) {

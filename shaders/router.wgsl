@@ -7,6 +7,7 @@
 //   the experts read; rms.wgsl, as norm.wgsl), the router product with its bias into
 //   `logits`, then `route`'s top-k and softmax. One dispatch instead of three; the router's
 //   weights are small (experts x hidden), so one workgroup per token reads them fast enough.
+// Entry `sort_pairs` (SORT): a prompt block's pairs listed by expert, in tiles (below).
 
 const WG: u32 = 64u;
 // Router rows one pass over the normed row computes (each lane keeps one partial sum per row).
@@ -147,6 +148,60 @@ fn route_normed(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
     storageBarrier();
     if (lid == 0u) {
         select_top_k(t);
+    }
+}
+#endif
+
+#if SORT
+@group(0) @binding(9) var<storage, read_write> sorted: array<u32>;
+@group(0) @binding(10) var<storage, read_write> tile_list: array<u32>;
+const SORT_EXPERTS: u32 = {{EXPERTS}}u;
+const TILE_PAIRS: u32 = {{TILE_PAIRS}}u;
+// Each expert's pair count, then where its pairs start in `sorted`.
+var<workgroup> expert_start: array<u32, SORT_EXPERTS>;
+
+// Entry `sort_pairs` (SORT, one workgroup): a prompt block's tokens * top_k (token, slot) pairs
+// listed by expert (ascending pair index within each) into `sorted`, and the tiles of at most
+// TILE_PAIRS pairs of one expert that experts.wgsl's grouped kernels take: tile_list[0] tiles,
+// then (expert, first index into `sorted`, pairs) per tile. Pairs routed to no expert below
+// SORT_EXPERTS are left out.
+@compute @workgroup_size(64)
+fn sort_pairs(@builtin(local_invocation_index) lid: u32) {
+    for (var e = lid; e < SORT_EXPERTS; e = e + WG) {
+        var count = 0u;
+        for (var q = 0u; q < (p.tokens * p.top_k); q = q + 1u) {
+            if (ids[q] == e) {
+                count = count + 1u;
+            }
+        }
+        expert_start[e] = count;
+    }
+    workgroupBarrier();
+    if (lid == 0u) {
+        var running = 0u;
+        var n = 0u;
+        for (var e = 0u; e < SORT_EXPERTS; e = e + 1u) {
+            let count = expert_start[e];
+            expert_start[e] = running;
+            for (var f = 0u; f < count; f = f + TILE_PAIRS) {
+                tile_list[1u + 3u * n] = e;
+                tile_list[2u + 3u * n] = running + f;
+                tile_list[3u + 3u * n] = min(TILE_PAIRS, count - f);
+                n = n + 1u;
+            }
+            running = running + count;
+        }
+        tile_list[0] = n;
+    }
+    workgroupBarrier();
+    for (var e = lid; e < SORT_EXPERTS; e = e + WG) {
+        var at = expert_start[e];
+        for (var q = 0u; q < (p.tokens * p.top_k); q = q + 1u) {
+            if (ids[q] == e) {
+                sorted[at] = q;
+                at = at + 1u;
+            }
+        }
     }
 }
 #endif

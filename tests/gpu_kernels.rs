@@ -13,7 +13,9 @@ use picchio::gpu::GpuContext;
 use picchio::gpu::attention::{
     AttentionInputs, AttentionShape, MAX_SPLITS, QkvRows, prepare_attention,
 };
-use picchio::gpu::kernels::{GpuExperts, GpuMatrix, prepare_rms_norm};
+use picchio::gpu::kernels::{
+    GpuExperts, GpuMatrix, PairTiles, prepare_rms_norm, prepare_sort_pairs,
+};
 use picchio::gpu::pipelines::{SHADERS, preprocess};
 use picchio::weights::{DenseMatrix, FloatFormat, Int4Experts, Mxfp4Experts, TensorBytes};
 
@@ -98,6 +100,7 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
             &["SWIGLU", "MXFP4", "SUBGROUPS", "SUBGROUP_MIN=8"],
             &["SWIGLU", "INT4", "CHUNKED"],
             &["SWIGLU", "MXFP4", "GROUPED"],
+            &["SWIGLU", "INT4", "GROUPED", "CHUNKED"],
             &["DOWN", "INT4", "GROUPED", "CHUNKED"],
             &["DOWN", "MXFP4", "GROUPED", "SUBGROUPS", "SUBGROUP_MIN=8"],
             &[
@@ -117,6 +120,8 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
             &["NORMED", "BF16"],
             &["NORMED", "F16"],
             &["NORMED", "F32"],
+            &["SORT", "EXPERTS=32", "TILE_PAIRS=32"],
+            &["SORT", "EXPERTS=128", "TILE_PAIRS=32"],
         ],
     ),
     ("bandwidth.wgsl", &[&[]]),
@@ -264,6 +269,8 @@ fn dense_matmul_matches_cpu() {
         }
         // A real GPT-OSS projection (q_proj of 20B/120B).
         check_dense(&ctx, "q_proj", 4096, 2880, 1, FloatFormat::Bf16, true);
+        // GPT-OSS's width in tiles: 90 steps of 32 columns.
+        check_dense(&ctx, "q_proj rows", 256, 2880, 33, FloatFormat::Bf16, true);
     }
 }
 
@@ -491,20 +498,34 @@ fn check_expert_kernels(
     let act = ctx.zeroed("act", (want_act.len() * 4) as u64).unwrap();
     let input = (&xb, tokens, top_k);
     let alpha_limit = (alpha, limit);
+    // Grouped: the pairs sorted into tiles by expert first.
+    let (order_bytes, tile_bytes) = PairTiles::bytes(ids.len(), experts);
+    let [order, tile_list] = [order_bytes, tile_bytes].map(|b| ctx.zeroed("tiles", b).unwrap());
+    let tiles = PairTiles {
+        order: &order,
+        tiles: &tile_list,
+    };
+    let sort = prepare_sort_pairs(ctx, &ib, (tokens, top_k, experts), &tiles).unwrap();
     let swiglu = gw.prepare_gate_up_swiglu(
         ctx,
         input,
         &ib,
         Some(&gb),
         alpha_limit,
-        grouped,
+        grouped.then_some(&tiles),
         &act,
         &dummy,
     );
     let swiglu = swiglu
         .unwrap()
         .expect("quantized experts in at most four bindings");
-    ctx.run(&[&swiglu]).unwrap();
+    match grouped {
+        true => ctx.run(&[&sort, &swiglu]).unwrap(),
+        false => ctx.run(&[&swiglu]).unwrap(),
+    }
+    if grouped {
+        check_sorted_pairs(ctx, &tiles, ids, experts);
+    }
     let what = format!(
         "{kind} E{experts} H{hidden} I{intermediate} ids {ids:?} ({} and {} chunks{})",
         gw.chunk_count(),
@@ -527,7 +548,7 @@ fn check_expert_kernels(
     if grouped {
         let down_out = ctx.zeroed("down", (ids.len() * hidden * 4) as u64).unwrap();
         let down = dw
-            .prepare_down_grouped(ctx, (&act, ids.len()), &ib, Some(&db), &down_out, &dummy)
+            .prepare_down_grouped(ctx, (&act, ids.len()), &tiles, Some(&db), &down_out, &dummy)
             .unwrap()
             .expect("quantized experts in at most four bindings");
         let shape = (tokens, top_k, hidden);
@@ -558,6 +579,32 @@ fn check_expert_kernels(
     eprintln!("{what} down_combine: max |error| {:e}", c.max_abs_error);
 }
 
+/// The tiles `sort_pairs` listed: every pair once, by expert, each tile one expert's next pairs in
+/// ascending order, at most 32.
+fn check_sorted_pairs(ctx: &GpuContext, tiles: &PairTiles, ids: &[u32], experts: usize) {
+    let (order_bytes, tile_bytes) = PairTiles::bytes(ids.len(), experts);
+    let order: Vec<u32> =
+        bytemuck::pod_collect_to_vec(&ctx.read_back(tiles.order, order_bytes).unwrap());
+    let list: Vec<u32> =
+        bytemuck::pod_collect_to_vec(&ctx.read_back(tiles.tiles, tile_bytes).unwrap());
+    let mut want: Vec<u32> = (0..ids.len() as u32).collect();
+    want.sort_by_key(|&q| ids[q as usize]);
+    assert_eq!(&order[..ids.len()], want, "pairs by expert");
+    let mut next = 0;
+    for tile in list[1..1 + 3 * list[0] as usize].chunks(3) {
+        let (expert, first, count) = (tile[0], tile[1] as usize, tile[2] as usize);
+        assert_eq!(first, next, "tiles in order");
+        assert!((1..=32).contains(&count), "tile of {count} pairs");
+        assert!(
+            order[first..first + count]
+                .iter()
+                .all(|&q| ids[q as usize] == expert)
+        );
+        next += count;
+    }
+    assert_eq!(next, ids.len(), "every pair in a tile");
+}
+
 #[test]
 fn fused_experts_match_cpu() {
     for ctx in gpu_variants(None) {
@@ -568,9 +615,12 @@ fn fused_experts_match_cpu() {
         }
         // GPT-OSS widths (2880 x 2880 per expert), decode with top-2 of 2.
         check_fused_experts(&ctx, "mxfp4", (2, 2880, 2880), &[1, 0], 2);
-        // A block of 10 tokens whose expert 0 has more pairs than a grouped batch holds.
-        let ids: Vec<u32> = (0..10).flat_map(|t| [0, 1 + t % 3]).collect();
-        check_fused_experts(&ctx, "mxfp4", (4, 64, 32), &ids, 2);
+        // A block of 40 tokens: expert 0 in every token (two tiles of its pairs), expert 3 in
+        // none; down's 96 rows are one and a half tiles of 64.
+        let ids: Vec<u32> = (0..40).flat_map(|t| [0, 1 + t % 2]).collect();
+        for kind in ["mxfp4", "int4"] {
+            check_fused_experts(&ctx, kind, (4, 96, 32), &ids, 2);
+        }
     }
     // 2 KiB bindings: gate_up in 4 chunks of one expert, down in 2 of two.
     for small in gpu_variants(Some(2048)) {

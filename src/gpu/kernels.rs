@@ -172,6 +172,64 @@ pub enum Output {
 
 /// Rows one workgroup of experts.wgsl computes (`ROWS` there).
 const FUSED_EXPERT_ROWS: usize = 8;
+/// Rows and pairs of one tile of the grouped expert kernels (`TILE_ROWS`, `TILE_PAIRS`).
+const GROUPED_TILE_ROWS: usize = 64;
+const GROUPED_TILE_PAIRS: usize = 32;
+
+/// A prompt block's (token, slot) pairs listed by expert, and the tiles of at most 32 pairs of one
+/// expert the grouped kernels take (`prepare_sort_pairs` writes both).
+pub struct PairTiles<'b> {
+    /// Pair indices, by expert.
+    pub order: &'b wgpu::Buffer,
+    /// The tile count, then (expert, first index into `order`, pairs) per tile.
+    pub tiles: &'b wgpu::Buffer,
+}
+
+impl PairTiles<'_> {
+    /// Most tiles of `pairs` pairs over `experts` experts: each expert's last tile may be partial.
+    pub fn max_tiles(pairs: usize, experts: usize) -> usize {
+        pairs.div_ceil(GROUPED_TILE_PAIRS) + experts.min(pairs)
+    }
+
+    /// Bytes of `order` and of `tiles` for `pairs` pairs over `experts` experts.
+    pub fn bytes(pairs: usize, experts: usize) -> (u64, u64) {
+        let tiles = 1 + 3 * Self::max_tiles(pairs, experts);
+        ((4 * pairs.max(1)) as u64, (4 * tiles) as u64)
+    }
+}
+
+/// Lists a block's `tokens * top_k` (token, slot) pairs (expert `ids[p]` each, below `experts`)
+/// by expert into `tiles` (router.wgsl's `sort_pairs`, one workgroup).
+pub fn prepare_sort_pairs(
+    ctx: &GpuContext,
+    ids: &wgpu::Buffer,
+    (tokens, top_k, experts): (usize, usize, usize),
+    tiles: &PairTiles,
+) -> Result<Dispatch> {
+    let pairs = tokens * top_k;
+    let (order_bytes, tile_bytes) = PairTiles::bytes(pairs, experts);
+    if tiles.order.size() < order_bytes || tiles.tiles.size() < tile_bytes {
+        return Err(Error::Gpu(format!(
+            "sort_pairs: {pairs} pairs over {experts} experts need {order_bytes} + {tile_bytes} bytes"
+        )));
+    }
+    let params = router_params((tokens, experts, top_k, 0), 0.0, 0)?;
+    let defines = [
+        ("SORT", "1".to_string()),
+        ("EXPERTS", experts.to_string()),
+        ("TILE_PAIRS", GROUPED_TILE_PAIRS.to_string()),
+    ];
+    let dispatch = ctx.prepare_bound(
+        "router.wgsl",
+        "sort_pairs",
+        &defines,
+        &params,
+        &[(2, ids), (9, tiles.order), (10, tiles.tiles)],
+        [1, 1, 1],
+    )?;
+    Ok(dispatch.moving(order_bytes + tile_bytes + 4 * pairs as u64))
+}
+
 /// Bindings of expert weights (and as many of scales) experts.wgsl reads.
 const FUSED_EXPERT_CHUNKS: usize = 4;
 /// experts.wgsl's first binding after the weights and scales.
@@ -671,9 +729,9 @@ impl GpuExperts {
         ctx: &GpuContext,
         (top_k, has_bias, per_chunk): (usize, bool, usize),
         (alpha, limit): (f32, f32),
-        z: usize,
+        (rows_per_group, z): (usize, usize),
     ) -> Result<([u32; 12], [u32; 3])> {
-        let (gx, gy) = ctx.row_groups(self.rows.div_ceil(FUSED_EXPERT_ROWS))?;
+        let (gx, gy) = ctx.row_groups(self.rows.div_ceil(rows_per_group))?;
         let params = [
             u32_of(self.rows, "rows")?,
             u32_of(self.cols, "cols")?,
@@ -694,8 +752,8 @@ impl GpuExperts {
     /// For each of `tokens * top_k` (token, slot) pairs `p` routed by `ids`, the clamped SwiGLU
     /// of this gate/up projection (interleaved rows) of `x[p / top_k]`, into `act[p]`: one
     /// dispatch for the product and the activation, one workgroup per (row block, pair), or with
-    /// `grouped` (a prompt block) per (row block, expert), taking the pairs routed to it a batch
-    /// at a time. None where `fused_operands` is.
+    /// `grouped` (a prompt block, its pairs sorted into tiles by `prepare_sort_pairs`) per (row
+    /// tile, pair tile). None where `fused_operands` is.
     #[allow(clippy::too_many_arguments)]
     pub fn prepare_gate_up_swiglu(
         &self,
@@ -704,7 +762,7 @@ impl GpuExperts {
         ids: &wgpu::Buffer,
         bias: Option<&wgpu::Buffer>,
         alpha_limit: (f32, f32),
-        grouped: bool,
+        grouped: Option<&PairTiles>,
         act: &wgpu::Buffer,
         dummy: &wgpu::Buffer,
     ) -> Result<Option<Dispatch>> {
@@ -713,12 +771,15 @@ impl GpuExperts {
             return Ok(None);
         };
         let pairs = tokens * top_k;
-        fused.bind([x, bias.unwrap_or(dummy), ids, act]);
-        let dispatch = if grouped {
-            self.prepare_grouped(ctx, fused, (pairs, top_k, bias.is_some()), alpha_limit)?
+        let dispatch = if let Some(tiles) = grouped {
+            fused.bind([x, bias.unwrap_or(dummy), tiles.order, act, tiles.tiles]);
+            let shape = (pairs, top_k, bias.is_some());
+            self.prepare_grouped(ctx, fused, shape, alpha_limit)?
         } else {
+            fused.bind([x, bias.unwrap_or(dummy), ids, act]);
             let shape = (top_k, bias.is_some(), fused.per_chunk);
-            let (params, groups) = self.fused_params(ctx, shape, alpha_limit, pairs)?;
+            let grid = (FUSED_EXPERT_ROWS, pairs);
+            let (params, groups) = self.fused_params(ctx, shape, alpha_limit, grid)?;
             let (defines, bound) = (&fused.defines, &fused.bound);
             ctx.prepare_bound(
                 "experts.wgsl",
@@ -750,7 +811,8 @@ impl GpuExperts {
             return Ok(None);
         };
         let shape = (top_k, bias.is_some(), fused.per_chunk);
-        let (params, groups) = self.fused_params(ctx, shape, (0.0, 0.0), tokens)?;
+        let grid = (FUSED_EXPERT_ROWS, tokens);
+        let (params, groups) = self.fused_params(ctx, shape, (0.0, 0.0), grid)?;
         fused.bind([act, bias.unwrap_or(dummy), ids, route_weights, hidden]);
         let bytes = self.routed_bytes(tokens * top_k) + 8 * tokens * self.rows;
         ctx.prepare_bound(
@@ -764,13 +826,14 @@ impl GpuExperts {
         .map(|dispatch| Some(dispatch.moving(bytes as u64)))
     }
 
-    /// Grouped by expert, for a prompt block: `y[p] = W[ids[p]] . act[p] + bias[ids[p]]` for
-    /// every pair (moe.wgsl's combine then adds them up), one workgroup per (row block, expert).
+    /// Grouped by expert, for a prompt block: `y[p] = W[e] . act[p] + bias[e]` for every pair,
+    /// e its expert (moe.wgsl's combine then adds them up), one workgroup per (row tile, pair
+    /// tile) of the tiles `prepare_sort_pairs` listed.
     pub fn prepare_down_grouped(
         &self,
         ctx: &GpuContext,
         (act, pairs): (&wgpu::Buffer, usize),
-        ids: &wgpu::Buffer,
+        tiles: &PairTiles,
         bias: Option<&wgpu::Buffer>,
         y: &wgpu::Buffer,
         dummy: &wgpu::Buffer,
@@ -778,13 +841,13 @@ impl GpuExperts {
         let Some(mut fused) = self.fused_operands(ctx, "DOWN") else {
             return Ok(None);
         };
-        fused.bind([act, bias.unwrap_or(dummy), ids, y]);
+        fused.bind([act, bias.unwrap_or(dummy), tiles.order, y, tiles.tiles]);
         let dispatch = self.prepare_grouped(ctx, fused, (pairs, 1, bias.is_some()), (0.0, 0.0))?;
         Ok(Some(dispatch.moving(self.routed_bytes(pairs) as u64)))
     }
 
     /// A GROUPED kernel of experts.wgsl over `pairs` pairs, pair q reading input row q / x_div:
-    /// one workgroup per (row block, expert).
+    /// one workgroup per (row tile, possible pair tile); those past the listed tiles return.
     fn prepare_grouped(
         &self,
         ctx: &GpuContext,
@@ -793,7 +856,8 @@ impl GpuExperts {
         alpha_limit: (f32, f32),
     ) -> Result<Dispatch> {
         let shape = (1, has_bias, fused.per_chunk);
-        let (mut params, groups) = self.fused_params(ctx, shape, alpha_limit, self.experts)?;
+        let grid = (GROUPED_TILE_ROWS, PairTiles::max_tiles(pairs, self.experts));
+        let (mut params, groups) = self.fused_params(ctx, shape, alpha_limit, grid)?;
         params[8] = u32_of(pairs, "pairs")?;
         params[9] = u32_of(x_div, "x_div")?;
         fused.defines.push(("GROUPED", "1".to_string()));

@@ -31,7 +31,7 @@ use crate::experts::{ExpertKey, VramBudget};
 use crate::gpu::GpuContext;
 use crate::gpu::attention::MAX_SPLITS;
 use crate::gpu::kernels::{
-    Dispatch, GpuExperts, MAX_GPU_TOP_LOGITS, Output, RowNorm, prepare_top_k,
+    Dispatch, GpuExperts, MAX_GPU_TOP_LOGITS, Output, PairTiles, RowNorm, prepare_top_k,
 };
 use crate::gpu::profile::{GpuProfile, Profiler};
 
@@ -86,9 +86,13 @@ pub struct GpuTierOptions {
     pub profile: bool,
     /// Run a prompt block's resident experts grouped by expert (`experts.wgsl` GROUPED) where
     /// the block has several pairs per expert. `None`: on hardware adapters only (on a software
-    /// one the per-pair kernels are faster: it computes, it does not wait for memory).
+    /// one the per-pair kernels are faster: it computes, it does not wait for memory), unless
+    /// `PICCHIO_GPU_GROUP_EXPERTS` says 0 or 1.
     pub group_prompt_experts: Option<bool>,
 }
+
+/// Forces grouping a prompt block's experts by expert on (1) or off (0), for comparisons.
+pub const GROUP_EXPERTS_ENV: &str = "PICCHIO_GPU_GROUP_EXPERTS";
 
 impl Default for GpuTierOptions {
     fn default() -> Self {
@@ -101,7 +105,11 @@ impl Default for GpuTierOptions {
             gpu_layers: None,
             keep_all_positions: false,
             profile: false,
-            group_prompt_experts: None,
+            group_prompt_experts: match std::env::var(GROUP_EXPERTS_ENV).as_deref() {
+                Ok("0") => Some(false),
+                Ok("1") => Some(true),
+                _ => None,
+            },
         }
     }
 }
@@ -188,6 +196,9 @@ struct Activations {
     qkv: wgpu::Buffer,
     attention: wgpu::Buffer,
     attention_partials: wgpu::Buffer,
+    /// A prompt block's pairs sorted into tiles by expert (`PairTiles`), for the grouped kernels.
+    pair_order: wgpu::Buffer,
+    pair_tiles: wgpu::Buffer,
     projected: wgpu::Buffer,
     router_logits: wgpu::Buffer,
     expert_ids: wgpu::Buffer,
@@ -210,6 +221,16 @@ struct Activations {
     /// expert resident (read back with the head's top-k to count the experts used), else when
     /// tracing.
     routing_trace: Option<wgpu::Buffer>,
+}
+
+impl Activations {
+    /// The buffers a prompt block's pairs are sorted into for the grouped expert kernels.
+    fn pair_tiles(&self) -> PairTiles<'_> {
+        PairTiles {
+            order: &self.pair_order,
+            tiles: &self.pair_tiles,
+        }
+    }
 }
 
 enum PlanStep {
@@ -447,6 +468,8 @@ impl<'m> GpuModel<'m> {
                 usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
             }),
+            pair_order: zeroed("pair order", PairTiles::bytes(b * k, cfg.num_experts).0)?,
+            pair_tiles: zeroed("pair tiles", PairTiles::bytes(b * k, cfg.num_experts).1)?,
             gate_up: zeroed("gate_up", f(b * k * 2 * i))?,
             activated: zeroed("activated", f(b * k * i))?,
             down: zeroed("down", f(b * k * h))?,

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::gpu::attention::{AttentionInputs, AttentionShape, QkvRows, prepare_attention};
 use crate::gpu::kernels::{
     Output, RouterWeights, RoutingBuffers, RowNorm, prepare_add, prepare_combine, prepare_rms_norm,
-    prepare_route, prepare_route_normed, prepare_swiglu,
+    prepare_route, prepare_route_normed, prepare_sort_pairs, prepare_swiglu,
 };
 use crate::model::block::{Norm, Projection, Tier};
 
@@ -127,7 +127,7 @@ impl<'g, 'm> PlanRecorder<'g, 'm> {
             let down = experts.down.prepare_down_grouped(
                 ctx,
                 input,
-                &a.expert_ids,
+                &a.pair_tiles(),
                 bias,
                 &a.down,
                 &a.dummy,
@@ -171,19 +171,27 @@ impl<'g, 'm> PlanRecorder<'g, 'm> {
             && input.1 * input.2 >= GROUPED_PAIRS_PER_EXPERT * gate_up.experts;
         let (act, ids) = (&a.activated, &routing.ids);
         let (alpha_limit, dummy) = ((alpha, limit), &a.dummy);
+        let tiles = a.pair_tiles();
         let fused = gate_up.prepare_gate_up_swiglu(
             ctx,
             input,
             ids,
             bias,
             alpha_limit,
-            grouped,
+            grouped.then_some(&tiles),
             act,
             dummy,
         )?;
         let Some(dispatch) = fused else {
             return Ok(None);
         };
+        if grouped {
+            let shape = (input.1, input.2, gate_up.experts);
+            add(
+                &mut self.steps,
+                vec![prepare_sort_pairs(ctx, ids, shape, &tiles)?],
+            );
+        }
         add(&mut self.steps, vec![dispatch]);
         self.deferred = Some(Deferred::Down { layer, grouped });
         Ok(Some(Self::act(&a.down, spec.hidden)))
