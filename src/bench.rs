@@ -379,6 +379,10 @@ pub fn run_bench(
         // One upload of the weights for this run's sessions (the long prefill opens its own).
         let runtime = Runtime::open(&model, options.backend, &gpu_options)?;
         let mut session = runtime.session(context, false)?;
+        if let Some(gpu) = session.gpu_mut() {
+            // Compile the kernels before the clock starts.
+            gpu.prepare_plans(ids.len())?;
+        }
         let generate_options = GenerateOptions {
             max_new_tokens: options.gen_tokens,
             top_logits: 0,
@@ -640,6 +644,9 @@ fn long_prefill_tokens_per_s(runtime: &Runtime, vocab: usize, seed: u64) -> Resu
     let ids = prompt(LONG_PROMPT_TOKENS, vocab, seed.wrapping_add(1));
     let context = LONG_PROMPT_TOKENS + 1;
     let mut session = runtime.session(context, false)?;
+    if let Some(gpu) = session.gpu_mut() {
+        gpu.prepare_plans(ids.len())?;
+    }
     let out = generate_observed(
         &mut session,
         &runtime.model().config,

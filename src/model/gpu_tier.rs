@@ -85,9 +85,8 @@ pub struct GpuTierOptions {
     /// none).
     pub profile: bool,
     /// Run a prompt block's resident experts grouped by expert (`experts.wgsl` GROUPED) where
-    /// the block has several pairs per expert. `None`: on hardware adapters only (on a software
-    /// one the per-pair kernels are faster: it computes, it does not wait for memory), unless
-    /// `PICCHIO_GPU_GROUP_EXPERTS` says 0 or 1.
+    /// the block has several pairs per expert. `None`: yes (each expert's weights are then read
+    /// and decoded once per 32 of its pairs), unless `PICCHIO_GPU_GROUP_EXPERTS` says 0 or 1.
     pub group_prompt_experts: Option<bool>,
 }
 
@@ -811,6 +810,30 @@ impl<'m> GpuModel<'m> {
         };
         check_finite(&logits, self.len)?;
         Ok(logits)
+    }
+
+    /// Builds the plans a prompt of `tokens` tokens and the decode after it record, which
+    /// compiles their kernels: a timed run then measures the kernels, not their compilation
+    /// (`bench`).
+    pub fn prepare_plans(&mut self, tokens: usize) -> Result<()> {
+        let gpu_head = self.weights.lm_head.is_some().then_some(HeadOutput::Top);
+        let full = self.options.max_block;
+        let mut keys = vec![(1, gpu_head)];
+        if tokens > full {
+            keys.push((full, None));
+        }
+        let last = match tokens % full {
+            0 => full,
+            rest => rest,
+        };
+        keys.push((last, gpu_head));
+        for key in keys {
+            if tokens > 0 && !self.plans.contains_key(&key) {
+                let plan = self.scoped(|model| model.build_plan(key.0, key.1))?;
+                self.plans.insert(key, plan);
+            }
+        }
+        Ok(())
     }
 
     /// Runs `tokens` block by block, the last block through the GPU's head with `output` when

@@ -164,10 +164,8 @@ impl<'g, 'm> PlanRecorder<'g, 'm> {
         let (ctx, gate_up) = (&gpu.weights.ctx, &resident.gate_up);
         let input = (x.packed("experts")?, n, gpu.config.experts_per_token);
         let bias = Some(&resident.gate_up_bias);
-        // With few pairs per expert, most of the grouped kernel's workgroups would find one pair
-        // or none; software adapters compute rather than wait for the reads grouping saves.
-        let hardware = ctx.adapter.device_type != "Cpu";
-        let grouped = gpu.options.group_prompt_experts.unwrap_or(hardware)
+        // With few pairs per expert, most of a tile's pairs would be padding.
+        let grouped = gpu.options.group_prompt_experts.unwrap_or(true)
             && input.1 * input.2 >= GROUPED_PAIRS_PER_EXPERT * gate_up.experts;
         let (act, ids) = (&a.activated, &routing.ids);
         let (alpha_limit, dummy) = ((alpha, limit), &a.dummy);
