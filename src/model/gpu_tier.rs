@@ -85,8 +85,10 @@ pub struct GpuTierOptions {
     /// none).
     pub profile: bool,
     /// Run a prompt block's resident experts grouped by expert (`experts.wgsl` GROUPED) where
-    /// the block has several pairs per expert. `None`: yes (each expert's weights are then read
-    /// and decoded once per 32 of its pairs), unless `PICCHIO_GPU_GROUP_EXPERTS` says 0 or 1.
+    /// the block has several pairs per expert (each expert's weights are then read and decoded
+    /// once per 32 of its pairs). `None`: on hardware adapters only (a software one computes
+    /// rather than waits, and a tile's padding costs it arithmetic), unless
+    /// `PICCHIO_GPU_GROUP_EXPERTS` says 0 or 1.
     pub group_prompt_experts: Option<bool>,
 }
 

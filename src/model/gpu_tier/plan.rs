@@ -164,8 +164,11 @@ impl<'g, 'm> PlanRecorder<'g, 'm> {
         let (ctx, gate_up) = (&gpu.weights.ctx, &resident.gate_up);
         let input = (x.packed("experts")?, n, gpu.config.experts_per_token);
         let bias = Some(&resident.gate_up_bias);
-        // With few pairs per expert, most of a tile's pairs would be padding.
-        let grouped = gpu.options.group_prompt_experts.unwrap_or(true)
+        // With few pairs per expert, most of a tile's pairs would be padding. Software adapters
+        // compute rather than wait for the reads grouping saves, and a tile's padding costs them
+        // arithmetic (the synthetic 20B's prompts ran slower grouped on lavapipe).
+        let hardware = ctx.adapter.device_type != "Cpu";
+        let grouped = gpu.options.group_prompt_experts.unwrap_or(hardware)
             && input.1 * input.2 >= GROUPED_PAIRS_PER_EXPERT * gate_up.experts;
         let (act, ids) = (&a.activated, &routing.ids);
         let (alpha_limit, dummy) = ((alpha, limit), &a.dummy);
