@@ -125,17 +125,36 @@ fn nibble_value(n: u32) -> f32 {
 #endif
 }
 
-// A group's dot product `sum` times the group's scale (index s into chunk c's row-major scales).
-fn scaled(sum: f32, c: u32, s: u32) -> f32 {
+// Group s's scale (index s into chunk c's row-major scales), and a value times it. MXFP4: the
+// E8M0 byte's exponent, 2^(byte - 127) applied with ldexp so no subnormal scale is ever
+// materialized; INT4: the f16 scale.
 #if MXFP4
-    // E8M0: 2^(byte - 127), applied with ldexp so no subnormal scale is ever materialized.
-    let byte = (scale_word(c, s >> 2u) >> (8u * (s & 3u))) & 0xffu;
-    return ldexp(sum, i32(byte) - 127);
+alias Scale = i32;
+
+fn group_scale(c: u32, s: u32) -> Scale {
+    return i32((scale_word(c, s >> 2u) >> (8u * (s & 3u))) & 0xffu) - 127;
+}
+
+fn apply_scale(v: f32, scale: Scale) -> f32 {
+    return ldexp(v, scale);
+}
 #endif
 #if INT4
+alias Scale = f32;
+
+fn group_scale(c: u32, s: u32) -> Scale {
     let pair = unpack2x16float(scale_word(c, s >> 1u));
-    return sum * select(pair.x, pair.y, (s & 1u) == 1u);
+    return select(pair.x, pair.y, (s & 1u) == 1u);
+}
+
+fn apply_scale(v: f32, scale: Scale) -> f32 {
+    return v * scale;
+}
 #endif
+
+// A group's dot product `sum` times the group's scale.
+fn scaled(sum: f32, c: u32, s: u32) -> f32 {
+    return apply_scale(sum, group_scale(c, s));
 }
 
 // The values of a word's four low nibbles (lowest first), and of its four high ones.
@@ -246,8 +265,8 @@ fn down_combine(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
 #endif
 
 #if GROUPED
-// A prompt block's pairs grouped by expert (SORT below lists them): one workgroup per (tile of
-// TILE_ROWS rows, tile of up to TILE_PAIRS pairs of one expert). Each step stages one 32-input
+// A prompt block's pairs grouped by expert (router.wgsl's `sort_pairs` lists them): one
+// workgroup per (tile of TILE_ROWS rows, tile of up to TILE_PAIRS pairs of one expert). Each step stages one 32-input
 // group of the tile's weights, decoded and scaled once for every pair of the tile (the scale is
 // a power of two for MXFP4, so the products are those of the per-pair kernels), and the pairs'
 // inputs, in workgroup memory; each lane keeps 8 rows x 4 pairs of sums in registers. An
@@ -282,23 +301,11 @@ fn tile_of(lid: u32, tile: u32) -> vec3<u32> {
 // The 32 weights of one group (its 16-byte word, lowest nibble first) times the group's scale
 // (index s into chunk c's scales).
 fn decode_group(word: vec4<u32>, c: u32, s: u32) -> array<f32, 32> {
-#if MXFP4
-    let exponent = i32((scale_word(c, s >> 2u) >> (8u * (s & 3u))) & 0xffu) - 127;
-#endif
-#if INT4
-    let pair = unpack2x16float(scale_word(c, s >> 1u));
-    let scale = select(pair.x, pair.y, (s & 1u) == 1u);
-#endif
+    let scale = group_scale(c, s);
     var values: array<f32, 32>;
     for (var k = 0u; k < 4u; k = k + 1u) {
         for (var n = 0u; n < 8u; n = n + 1u) {
-            let v = nibble_value((word[k] >> (4u * n)) & 15u);
-#if MXFP4
-            values[8u * k + n] = ldexp(v, exponent);
-#endif
-#if INT4
-            values[8u * k + n] = v * scale;
-#endif
+            values[8u * k + n] = apply_scale(nibble_value((word[k] >> (4u * n)) & 15u), scale);
         }
     }
     return values;

@@ -17,6 +17,12 @@ pub const MAX_SPLITS: usize = 32;
 /// Largest key tile a workgroup stages in its memory.
 const MAX_TILE: usize = 64;
 
+/// Bytes of the partial results (running max, sum and `head_dim` accumulators per head and
+/// split) of `tokens` queries of `num_heads` heads with `splits` splits.
+pub fn partials_bytes(num_heads: usize, head_dim: usize, tokens: usize, splits: usize) -> u64 {
+    (tokens * num_heads * splits * (head_dim + 2) * 4) as u64
+}
+
 /// Shape of one layer's attention on the GPU.
 #[derive(Debug, Clone, Copy)]
 pub struct AttentionShape {
@@ -79,7 +85,7 @@ impl AttentionShape {
 
     /// Bytes of the partial results of `tokens` queries with `splits` splits.
     pub fn partials_bytes(&self, tokens: usize, splits: usize) -> u64 {
-        (tokens * self.num_heads * splits * (self.head_dim + 2) * 4) as u64
+        partials_bytes(self.num_heads, self.head_dim, tokens, splits)
     }
 
     /// Cache bytes per position (keys or values).

@@ -29,7 +29,7 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::experts::{ExpertKey, VramBudget};
 use crate::gpu::GpuContext;
-use crate::gpu::attention::MAX_SPLITS;
+use crate::gpu::attention::{MAX_SPLITS, partials_bytes};
 use crate::gpu::kernels::{
     Dispatch, GpuExperts, MAX_GPU_TOP_LOGITS, Output, PairTiles, RowNorm, prepare_top_k,
 };
@@ -364,6 +364,23 @@ fn record(
     }
 }
 
+/// Records `steps` into a command buffer of their own (`record`), with the profiler's query
+/// resolution at its end when there is one.
+fn encode(
+    ctx: &GpuContext,
+    steps: &[PlanStep],
+    used: &[bool],
+    counters: &mut GpuCounters,
+    mut profiler: Option<&mut Profiler>,
+) -> wgpu::CommandBuffer {
+    let mut encoder = ctx.device.create_command_encoder(&Default::default());
+    record(&mut encoder, steps, used, counters, profiler.as_deref_mut());
+    if let Some(profiler) = profiler {
+        profiler.resolve(&mut encoder);
+    }
+    encoder.finish()
+}
+
 fn add(steps: &mut Vec<PlanStep>, dispatches: Vec<Dispatch>) {
     steps.extend(dispatches.into_iter().map(PlanStep::Dispatch));
 }
@@ -445,6 +462,7 @@ impl<'m> GpuModel<'m> {
         let f = |n: usize| (n * 4) as u64;
         let zeroed = |label: &str, bytes: u64| ctx.zeroed(label, bytes);
         let top_bytes = f(2 * options.top_logits);
+        let pair_bytes = PairTiles::bytes(b * k, cfg.num_experts);
         let act = Activations {
             step: ctx.uniform("step", &[0u8; 16]),
             cos: zeroed("cos", f(b * cfg.head_dim / 2))?,
@@ -456,7 +474,7 @@ impl<'m> GpuModel<'m> {
             // A decode's keys split across workgroups (flash-decoding) pass through here.
             attention_partials: zeroed(
                 "attention partials",
-                f(cfg.num_heads * MAX_SPLITS * (cfg.head_dim + 2)),
+                partials_bytes(cfg.num_heads, cfg.head_dim, 1, MAX_SPLITS),
             )?,
             projected: zeroed("projected", f(b * h))?,
             router_logits: zeroed("router logits", f(b * cfg.num_experts))?,
@@ -469,8 +487,8 @@ impl<'m> GpuModel<'m> {
                 usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
                 mapped_at_creation: false,
             }),
-            pair_order: zeroed("pair order", PairTiles::bytes(b * k, cfg.num_experts).0)?,
-            pair_tiles: zeroed("pair tiles", PairTiles::bytes(b * k, cfg.num_experts).1)?,
+            pair_order: zeroed("pair order", pair_bytes.0)?,
+            pair_tiles: zeroed("pair tiles", pair_bytes.1)?,
             gate_up: zeroed("gate_up", f(b * k * 2 * i))?,
             activated: zeroed("activated", f(b * k * i))?,
             down: zeroed("down", f(b * k * h))?,
@@ -818,23 +836,31 @@ impl<'m> GpuModel<'m> {
     /// compiles their kernels: a timed run then measures the kernels, not their compilation
     /// (`bench`).
     pub fn prepare_plans(&mut self, tokens: usize) -> Result<()> {
+        if tokens == 0 {
+            return Ok(());
+        }
         let gpu_head = self.weights.lm_head.is_some().then_some(HeadOutput::Top);
         let full = self.options.max_block;
-        let mut keys = vec![(1, gpu_head)];
+        // The decode step, the prompt's full blocks (headless), its last block.
+        let mut keys = vec![(1, gpu_head), ((tokens - 1) % full + 1, gpu_head)];
         if tokens > full {
             keys.push((full, None));
         }
-        let last = match tokens % full {
-            0 => full,
-            rest => rest,
-        };
-        keys.push((last, gpu_head));
-        for key in keys {
-            if tokens > 0 && !self.plans.contains_key(&key) {
-                let plan = self.scoped(|model| model.build_plan(key.0, key.1))?;
-                self.plans.insert(key, plan);
-            }
+        keys.into_iter().try_for_each(|key| self.ensure_plan(key))
+    }
+
+    /// Builds and keeps the plan of a block of `key.0` tokens whose head leaves `key.1`, unless
+    /// it is kept already.
+    fn ensure_plan(&mut self, key: (usize, Option<HeadOutput>)) -> Result<()> {
+        if self.plans.contains_key(&key) {
+            return Ok(());
         }
+        // Plans of odd block sizes (prompt remainders) are not worth keeping forever.
+        if self.plans.len() >= 8 {
+            self.plans.retain(|key, _| key.0 == 1 && key.1.is_some());
+        }
+        let plan = self.scoped(|model| model.build_plan(key.0, key.1))?;
+        self.plans.insert(key, plan);
         Ok(())
     }
 
@@ -907,14 +933,7 @@ impl<'m> GpuModel<'m> {
         }
         q.write_buffer(&self.act.cos, 0, bytemuck::cast_slice(&cos));
         q.write_buffer(&self.act.sin, 0, bytemuck::cast_slice(&sin));
-        if !self.plans.contains_key(&(n, head)) {
-            // Plans of odd block sizes (prompt remainders) are not worth keeping forever.
-            if self.plans.len() >= 8 {
-                self.plans.retain(|key, _| key.0 == 1 && key.1.is_some());
-            }
-            let plan = self.scoped(|model| model.build_plan(n, head))?;
-            self.plans.insert((n, head), plan);
-        }
+        self.ensure_plan((n, head))?;
         // Out of the map while it runs: placing experts needs the model mutably.
         let plan = self.plans.remove(&(n, head)).unwrap_or_default();
         let weights = Arc::clone(&self.weights);
@@ -1008,24 +1027,11 @@ impl<'m> GpuModel<'m> {
 
     /// Records `steps` into one encoder and submits it.
     fn submit(&mut self, steps: &[PlanStep]) -> Result<()> {
-        let (counters, profiler) = (&mut self.counters, &mut self.profiler);
-        self.weights.ctx.guard(|| {
-            let mut encoder = self
-                .weights
-                .ctx
-                .device
-                .create_command_encoder(&Default::default());
-            record(
-                &mut encoder,
-                steps,
-                &self.used_slots,
-                counters,
-                profiler.as_mut(),
-            );
-            if let Some(profiler) = profiler.as_ref() {
-                profiler.resolve(&mut encoder);
-            }
-            self.weights.ctx.queue.submit([encoder.finish()]);
+        let (counters, profiler) = (&mut self.counters, self.profiler.as_mut());
+        let ctx = &self.weights.ctx;
+        ctx.guard(|| {
+            let commands = encode(ctx, steps, &self.used_slots, counters, profiler);
+            ctx.queue.submit([commands]);
             Ok(())
         })?;
         self.counters.submits += 1;
@@ -1044,10 +1050,7 @@ impl<'m> GpuModel<'m> {
     fn prepare_decode(&mut self, output: HeadOutput) -> Result<()> {
         self.prepared = None;
         let key = (1, Some(output));
-        if !self.plans.contains_key(&key) {
-            let plan = self.scoped(|model| model.build_plan(1, Some(output)))?;
-            self.plans.insert(key, plan);
-        }
+        self.ensure_plan(key)?;
         let plan = &self.plans[&key];
         let acts =
             |step: &PlanStep| matches!(step, PlanStep::PlaceExperts { .. } | PlanStep::CpuExperts);
@@ -1055,15 +1058,8 @@ impl<'m> GpuModel<'m> {
             return Ok(());
         }
         let mut counted = GpuCounters::default();
-        let commands = self.weights.ctx.guard(|| {
-            let mut encoder = self
-                .weights
-                .ctx
-                .device
-                .create_command_encoder(&Default::default());
-            record(&mut encoder, plan, &self.used_slots, &mut counted, None);
-            Ok(encoder.finish())
-        })?;
+        let ctx = &self.weights.ctx;
+        let commands = ctx.guard(|| Ok(encode(ctx, plan, &self.used_slots, &mut counted, None)))?;
         self.prepared = Some(PreparedDecode {
             key,
             commands,
