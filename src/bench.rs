@@ -26,6 +26,8 @@ pub struct BenchOptions {
     /// Prefetch settings to compare (each runs with every budget).
     pub prefetch: Vec<bool>,
     pub prefetch_proxy: crate::model::PrefetchProxy,
+    /// Layers ahead the CPU tier prefetches, in runs with prefetch on.
+    pub prefetch_distance: usize,
     pub prompt_tokens: usize,
     pub gen_tokens: usize,
     pub seed: u64,
@@ -42,6 +44,33 @@ pub struct BenchOptions {
     pub mmap: crate::model::MmapMode,
     /// How the KV cache holds keys and values in every run.
     pub kv_format: crate::formats::KvFormat,
+}
+
+impl BenchOptions {
+    /// `picchio bench --model MODEL`'s defaults: the CPU tier at RAM budget `auto`, prefetch
+    /// off, a 64-token prompt then 32 decoded tokens, exact formats.
+    pub fn new(model: PathBuf) -> BenchOptions {
+        BenchOptions {
+            model,
+            backend: BackendChoice::Cpu,
+            ram_budgets: vec![RamBudget::Auto],
+            vram_budgets: vec![VramBudget::Auto],
+            miss_policy: Default::default(),
+            direct_io: false,
+            prefetch: vec![false],
+            prefetch_proxy: Default::default(),
+            prefetch_distance: 1,
+            prompt_tokens: 64,
+            gen_tokens: 32,
+            seed: 0,
+            roofline: false,
+            profile: false,
+            dense_format: Default::default(),
+            expert_activations: Default::default(),
+            mmap: Default::default(),
+            kv_format: Default::default(),
+        }
+    }
 }
 
 /// Prompt length of the second prefill measurement of a roofline bench.
@@ -65,6 +94,10 @@ pub struct BenchRun {
     /// Share of the next layer's experts the prefetch proxy guessed (decode phase and prompt;
     /// null without prefetch, where nothing guesses).
     pub prefetch_accuracy: Option<f64>,
+    /// The same for guesses 1, 2 and 3 layers ahead (CPU tier; null entries where none ran).
+    pub prefetch_accuracy_by_distance: Vec<Option<f64>>,
+    /// Layers ahead the prefetch read (runs with prefetch on).
+    pub prefetch_distance: usize,
     /// Prefetched experts the routing then used, per decoded token.
     pub prefetch_used_per_token: f64,
     /// Bytes of the experts the GPU holds (null on the CPU tier).
@@ -156,6 +189,30 @@ pub struct BenchRun {
     /// Per-kernel device time of the decode, from a second, profiled decode of the same prompt
     /// (`--profile`, GPU runs on adapters with timestamps).
     pub profile: Option<Vec<KernelRow>>,
+    /// `--direct-io` runs: the store's read bandwidth measured just before and just after this
+    /// run (the better of the two), reading random expert records as the engine does: at the
+    /// engine's queue depth (`io_threads`) and at the best depth of a sweep before the first run.
+    pub disk_bandwidth_bytes_per_s: Option<f64>,
+    pub disk_bandwidth_at_io_threads_bytes_per_s: Option<f64>,
+    pub disk_best_depth: Option<usize>,
+    /// IO threads (the reads in flight at most) and the largest read each makes.
+    pub io_threads: usize,
+    pub read_chunk_bytes: usize,
+    /// Bytes per decoded token the RAM cache did not hold when asked: read on demand, or by a
+    /// prefetch that the layer then used.
+    pub missed_bytes_per_token: f64,
+    /// Decode time per token without the waits for reads.
+    pub compute_s_per_token: f64,
+    /// The disk-bound limit per token: missed bytes / the best disk bandwidth, or the compute
+    /// time where that is larger (`--direct-io` runs).
+    pub disk_bound_s_per_token: Option<f64>,
+    /// That limit over the measured time per token (1: as fast as the disk allows).
+    pub disk_roofline_fraction: Option<f64>,
+    /// Mean reads and bytes in flight as each read started, in the decode.
+    pub read_queue_depth: Option<f64>,
+    pub bytes_in_flight: Option<f64>,
+    /// Prefetched experts the staging area holds at most, beside the RAM budget.
+    pub prefetch_staging_experts: usize,
 }
 
 /// Decode speed and memory bandwidth measured in turns: see
@@ -342,6 +399,11 @@ pub fn run_bench(
     } else {
         None
     };
+    let best_depth = if options.direct_io && options.backend == BackendChoice::Cpu {
+        Some(best_disk_depth(options)?)
+    } else {
+        None
+    };
     let mut runs = Vec::new();
     for (done, &(vram_budget, budget, prefetch)) in configurations.iter().enumerate() {
         let peak_is_this_runs = reset_peak_rss();
@@ -358,7 +420,10 @@ pub fn run_bench(
                 prefetch: crate::model::PrefetchOptions {
                     enabled: prefetch,
                     proxy: options.prefetch_proxy,
-                    measure_accuracy: false,
+                    distance: options.prefetch_distance,
+                    // Guesses scored at every distance: the cost of two more router
+                    // products per layer, small beside a token's.
+                    measure_accuracy: prefetch,
                 },
                 ..Default::default()
             },
@@ -392,6 +457,10 @@ pub fn run_bench(
         let mut marks: Vec<ExpertStats> = Vec::new();
         let mut gpu_marks: Vec<Option<GpuCounters>> = Vec::new();
         let mut times: Vec<(f64, f64, f64)> = vec![model.timings.millis()];
+        let disk_before = match best_depth {
+            Some(best) => Some(probe_disk(&model, best, false)?),
+            None => None,
+        };
         let started = Instant::now();
         let out = generate_observed(
             &mut session,
@@ -405,6 +474,14 @@ pub fn run_bench(
             },
         )?;
         log::debug!("run took {:.1} s", started.elapsed().as_secs_f64());
+        // The better of before and after: what the disk could give in those minutes.
+        let disk = match (disk_before, best_depth) {
+            (Some(before), Some(best)) => {
+                let after = probe_disk(&model, best, true)?;
+                Some((before.0.max(after.0), before.1.max(after.1)))
+            }
+            _ => None,
+        };
         let on_gpu = session.gpu().is_some();
         let backend = session.backend().to_string();
         let vram_budget_bytes = session
@@ -490,8 +567,20 @@ pub fn run_bench(
             None
         };
 
+        let (io_threads, read_chunk_bytes) = model.experts.read_shape();
+        let missed_bytes_per_token =
+            (decode.disk_bytes + decode.prefetch.used * model.experts.expert_bytes()) as f64
+                / decoded;
+        let compute_s_per_token = if decode_tokens_per_s > 0.0 {
+            (1.0 / decode_tokens_per_s - decode.io_wait_ms / 1000.0 / decoded).max(0.0)
+        } else {
+            0.0
+        };
+        let disk_bound_s_per_token =
+            disk.map(|d| (missed_bytes_per_token / d.1).max(compute_s_per_token));
         let rate = |hits: u64| (decode.requests > 0).then(|| hits as f64 / decode.requests as f64);
-        let prefetch_accuracy = model.prediction_accuracy(model.prefetch_proxy_on(&backend));
+        let proxy = model.prefetch_proxy_on(&backend);
+        let prefetch_accuracy = model.prediction_accuracy(proxy);
         runs.push(BenchRun {
             backend,
             ram_budget: format!("{budget:?}"),
@@ -502,6 +591,10 @@ pub fn run_bench(
             upload_bytes_per_token: decode.upload_bytes as f64 / decoded,
             prefetch,
             prefetch_accuracy,
+            prefetch_accuracy_by_distance: (1..=crate::model::MAX_PREFETCH_DISTANCE)
+                .map(|d| model.prediction_accuracy_at(proxy, d))
+                .collect(),
+            prefetch_distance: options.prefetch_distance,
             prefetch_used_per_token: decode.prefetch.used as f64 / decoded,
             prefetch_bytes_per_token: decode.prefetch.bytes as f64 / decoded,
             prefill_tokens_per_s: options.prompt_tokens as f64
@@ -535,6 +628,20 @@ pub fn run_bench(
                 None => None,
             },
             roofline_fraction: limit.map(|b| achieved_bytes_per_s / b),
+            disk_bandwidth_bytes_per_s: disk.map(|d| d.1),
+            disk_bandwidth_at_io_threads_bytes_per_s: disk.map(|d| d.0),
+            disk_best_depth: best_depth,
+            io_threads,
+            read_chunk_bytes,
+            missed_bytes_per_token,
+            compute_s_per_token,
+            disk_bound_s_per_token,
+            disk_roofline_fraction: disk_bound_s_per_token
+                .filter(|_| decode_tokens_per_s > 0.0)
+                .map(|limit| limit * decode_tokens_per_s),
+            read_queue_depth: decode.reads.mean_depth(),
+            bytes_in_flight: decode.reads.mean_bytes_in_flight(),
+            prefetch_staging_experts: model.experts.staging_experts(),
             bandwidth_of: bandwidth_of.map(str::to_string),
             gpu_dispatches_per_token: gpu_per_token(|c| c.dispatches),
             gpu_submits_per_token: gpu_per_token(|c| c.submits),
@@ -585,6 +692,76 @@ pub fn run_bench(
         }
     }
     Ok(runs)
+}
+
+/// Expert records each disk measurement reads (about a decoded token's worth at budget 0 on
+/// gpt-oss-20b).
+const DISK_PROBE_RECORDS: usize = 96;
+
+/// Queue depths the disk sweep tries.
+const DISK_DEPTHS: [usize; 6] = [1, 2, 4, 8, 16, 32];
+
+/// The queue depth at which the store's disk reads fastest now, from a sweep over a model
+/// loaded for it (logged per depth).
+fn best_disk_depth(options: &BenchOptions) -> Result<usize> {
+    let model = Model::load_with(
+        &options.model,
+        &ModelOptions {
+            ram_budget: RamBudget::Bytes(0),
+            direct_io: true,
+            ..Default::default()
+        },
+    )?;
+    let store = &model.experts;
+    let (_, chunk) = store.read_shape();
+    let mut best = (0.0, 1);
+    for depth in DISK_DEPTHS {
+        let keys = store.random_keys(DISK_PROBE_RECORDS, fresh_seed());
+        let b = store.measure_read_bandwidth(depth, chunk, &keys)?;
+        log::info!(
+            "disk read bandwidth at depth {depth}: {:.2} GB/s ({} KiB reads)",
+            b.bytes_per_s / 1e9,
+            chunk >> 10
+        );
+        if b.bytes_per_s > best.0 {
+            best = (b.bytes_per_s, depth);
+        }
+    }
+    Ok(best.1)
+}
+
+/// A seed for picking records to read: different in each measurement and each bench, so no
+/// measurement rereads records a cache below the OS (a virtual disk's host) may still hold.
+fn fresh_seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_nanos() as u64)
+}
+
+/// The store's read bandwidth now: (at the engine's IO threads, at the better of those and
+/// `best_depth`). Before a run, over records picked at random; after it, over records picked
+/// as often as the run read them, so that a cache below the OS serving the records a decode
+/// rereads helps the measurement as much as the decode.
+fn probe_disk(model: &Model, best_depth: usize, after_run: bool) -> Result<(f64, f64)> {
+    let store = &model.experts;
+    let (threads, chunk) = store.read_shape();
+    let keys = || match after_run {
+        true => store.keys_as_read(DISK_PROBE_RECORDS, fresh_seed()),
+        false => store.random_keys(DISK_PROBE_RECORDS, fresh_seed()),
+    };
+    let engine = store.measure_read_bandwidth(threads, chunk, &keys())?;
+    let best = store.measure_read_bandwidth(best_depth, chunk, &keys())?;
+    log::info!(
+        "disk read bandwidth ({} records): {:.2} GB/s at {threads} threads, {:.2} GB/s at depth {best_depth}",
+        if after_run {
+            "as the run read them"
+        } else {
+            "at random"
+        },
+        engine.bytes_per_s / 1e9,
+        best.bytes_per_s / 1e9
+    );
+    Ok((engine.bytes_per_s, best.bytes_per_s.max(engine.bytes_per_s)))
 }
 
 /// The prompt decoded again in a session whose every kernel is timed: the decode's per-kernel

@@ -23,6 +23,7 @@ pub mod flat_store;
 pub mod formats;
 pub mod gpu;
 pub mod model;
+pub mod pages;
 pub mod serve;
 pub mod synth;
 pub mod weights;

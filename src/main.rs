@@ -88,6 +88,10 @@ struct ModelArgs {
     /// uses a.
     #[arg(long, default_value = "b", value_name = "a|b")]
     prefetch_proxy: picchio::model::PrefetchProxy,
+    /// How many layers ahead the CPU tier's prefetch guesses and reads (1 to 3): farther guesses
+    /// keep the disk busy longer but name fewer of the experts used.
+    #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u8).range(1..=3))]
+    prefetch_distance: u8,
     /// How the CPU tier holds the dense weights: checkpoint (as stored, exact) or q8 (8 bits per
     /// weight with an f16 scale per 32 weights: faster decode, not exact; CPU tier only).
     #[arg(long, default_value = "checkpoint", value_name = "checkpoint|q8")]
@@ -134,6 +138,7 @@ impl ModelArgs {
             prefetch: picchio::model::PrefetchOptions {
                 enabled: self.prefetch == OnOff::On,
                 proxy: self.prefetch_proxy,
+                distance: self.prefetch_distance.into(),
                 measure_accuracy: false,
             },
             dense_format: self.dense_format,
@@ -517,6 +522,9 @@ enum Command {
         /// The prefetch proxy for every run.
         #[arg(long, default_value = "b", value_name = "a|b")]
         prefetch_proxy: picchio::model::PrefetchProxy,
+        /// Layers ahead the CPU tier prefetches (1 to 3) in every run with prefetch on.
+        #[arg(long, default_value_t = 1, value_name = "N", value_parser = clap::value_parser!(u8).range(1..=3))]
+        prefetch_distance: u8,
         /// Tokens in each run's random prompt (the timed prefill).
         #[arg(long, default_value_t = 64, value_name = "N")]
         prompt_tokens: usize,
@@ -776,6 +784,14 @@ fn run(cli: Cli) -> Result<()> {
                             "vram_resident_layers": resident_layers,
                             "expert_record_bytes": loaded.experts.expert_bytes(),
                         },
+                        "reads": {
+                            "io_threads": loaded.experts.read_shape().0,
+                            "chunk_bytes": loaded.experts.read_shape().1,
+                            "chunks": experts.reads.chunks,
+                            "queue_depth": experts.reads.mean_depth(),
+                            "bytes_in_flight": experts.reads.mean_bytes_in_flight(),
+                            "layer_wait_ms": loaded.experts.layer_wait_ms(),
+                        },
                         "time_ms": {
                             "attention": attention_ms,
                             "experts": experts_ms,
@@ -791,7 +807,15 @@ fn run(cli: Cli) -> Result<()> {
                             "used": experts.prefetch.used,
                             "bytes": experts.prefetch.bytes,
                             "wasted_bytes": experts.prefetch.wasted_bytes,
+                            "staged_hits": experts.prefetch.staged_hits,
+                            "skipped": experts.prefetch.skipped,
+                            "cancelled": experts.prefetch.cancelled,
+                            "staging_experts": loaded.experts.staging_experts(),
                             "accuracy": loaded.prediction_accuracy(loaded.prefetch_proxy_on(ran_on)),
+                            "distance": loaded.prefetch.distance,
+                            "accuracy_by_distance": (1..=picchio::model::MAX_PREFETCH_DISTANCE)
+                                .map(|d| loaded.prediction_accuracy_at(loaded.prefetch_proxy_on(ran_on), d))
+                                .collect::<Vec<_>>(),
                             "accuracy_by_proxy": {
                                 "a": loaded.prediction_accuracy(picchio::model::PrefetchProxy::A),
                                 "b": loaded.prediction_accuracy(picchio::model::PrefetchProxy::B),
@@ -828,6 +852,7 @@ fn run(cli: Cli) -> Result<()> {
             direct_io,
             prefetch,
             prefetch_proxy,
+            prefetch_distance,
             prompt_tokens,
             gen_tokens,
             seed,
@@ -850,6 +875,7 @@ fn run(cli: Cli) -> Result<()> {
                 direct_io,
                 prefetch: prefetch.iter().map(|p| *p == OnOff::On).collect(),
                 prefetch_proxy,
+                prefetch_distance: prefetch_distance.into(),
                 prompt_tokens,
                 gen_tokens,
                 seed,
@@ -1454,7 +1480,53 @@ fn bench(
             );
         }
     }
+    if runs.iter().any(|r| r.disk_roofline_fraction.is_some()) {
+        print_disk_table(&runs);
+    }
     Ok(())
+}
+
+/// `--direct-io` runs against the disk they read from.
+fn print_disk_table(runs: &[picchio::bench::BenchRun]) {
+    println!();
+    println!(
+        "{:<11} {:>8} {:>10} {:>13} {:>11} {:>11} {:>10} {:>11} {:>9} {:>14}",
+        "ram budget",
+        "prefetch",
+        "decode/s",
+        "missed B/tok",
+        "disk (io)",
+        "disk (best)",
+        "s/token",
+        "bound s/tok",
+        "of bound",
+        "accuracy 1/2/3"
+    );
+    let gb = |b: Option<f64>| b.map_or("-".to_string(), |b| format!("{:.2} GB/s", b / 1e9));
+    for r in runs {
+        let accuracy: Vec<String> = (r.prefetch_accuracy_by_distance.iter())
+            .map(|a| a.map_or("-".to_string(), |a| format!("{:.0}", a * 100.0)))
+            .collect();
+        println!(
+            "{:<11} {:>8} {:>10.2} {:>13} {:>11} {:>11} {:>10.3} {:>11} {:>9} {:>14}",
+            human_short(r.ram_budget_bytes),
+            if r.prefetch {
+                format!("on, {}", r.prefetch_distance)
+            } else {
+                "off".to_string()
+            },
+            r.decode_tokens_per_s,
+            human_short(r.missed_bytes_per_token as u64),
+            gb(r.disk_bandwidth_at_io_threads_bytes_per_s),
+            gb(r.disk_bandwidth_bytes_per_s),
+            1.0 / r.decode_tokens_per_s.max(1e-9),
+            r.disk_bound_s_per_token
+                .map_or("-".to_string(), |s| format!("{s:.3}")),
+            r.disk_roofline_fraction
+                .map_or("-".to_string(), |f| format!("{:.1}%", f * 100.0)),
+            accuracy.join("/"),
+        );
+    }
 }
 
 fn human_short(bytes: u64) -> String {

@@ -17,6 +17,7 @@ use safetensors::{Dtype, SafeTensors};
 use crate::arch::gpt_oss;
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::pages::PageBuffer;
 
 /// A tensor's place in a checkpoint.
 #[derive(Debug, Clone)]
@@ -64,25 +65,7 @@ enum Backing {
     /// An anonymous mapping the process filled (`huge_buffer`): memory, not a file.
     Anonymous(Arc<Mmap>),
     Owned(Arc<Vec<u8>>),
-    Pages(Arc<Vec<Page>>),
-}
-
-/// 4 KiB aligned to 4 KiB: the unit of buffers that O_DIRECT reads into.
-#[derive(Clone, Copy)]
-#[repr(C, align(4096))]
-pub struct Page(pub [u8; 4096]);
-
-/// The bytes of `pages`, in order.
-pub fn page_bytes(pages: &[Page]) -> &[u8] {
-    // Safety: `Page` is `repr(C)` around a byte array whose size equals its alignment, so the
-    // pages are contiguous bytes with no padding, valid for the slice's lifetime.
-    unsafe { std::slice::from_raw_parts(pages.as_ptr().cast::<u8>(), pages.len() * 4096) }
-}
-
-/// Mutable view of the bytes of `pages`.
-pub fn page_bytes_mut(pages: &mut [Page]) -> &mut [u8] {
-    // Safety: as in `page_bytes`; the exclusive borrow makes the view the only one.
-    unsafe { std::slice::from_raw_parts_mut(pages.as_mut_ptr().cast::<u8>(), pages.len() * 4096) }
+    Pages(Arc<PageBuffer>),
 }
 
 impl TensorBytes {
@@ -90,7 +73,7 @@ impl TensorBytes {
         match &self.backing {
             Backing::Mapped(map) | Backing::Anonymous(map) => &map[self.range.clone()],
             Backing::Owned(buffer) => &buffer[self.range.clone()],
-            Backing::Pages(pages) => &page_bytes(pages)[self.range.clone()],
+            Backing::Pages(pages) => &pages.bytes()[self.range.clone()],
         }
     }
 
@@ -104,7 +87,7 @@ impl TensorBytes {
     }
 
     /// A range of a page-aligned buffer (an O_DIRECT read).
-    pub fn paged(pages: Arc<Vec<Page>>, range: Range<usize>) -> TensorBytes {
+    pub fn paged(pages: Arc<PageBuffer>, range: Range<usize>) -> TensorBytes {
         TensorBytes {
             backing: Backing::Pages(pages),
             range,

@@ -257,3 +257,77 @@ fn records_cut_short_mid_run_are_an_error_not_wrong_tokens() {
         assert!(error.contains(RECORDS_FILE), "direct {direct_io}: {error}");
     }
 }
+
+/// Streaming from a converted store past the page cache: experts read in small chunks by
+/// several threads, guesses staged up to three layers ahead, at every budget, give
+/// transformers' tokens; and bench judges each run against the disk it measured.
+#[test]
+fn direct_io_streaming_with_staged_prefetch_keeps_the_tokens() {
+    use picchio::bench::{BenchOptions, run_bench};
+    use picchio::model::{PrefetchOptions, PrefetchProxy};
+    let src = fixtures_dir().join("tiny-long");
+    let reference = reference(&src);
+    let out = converted(&src, FlatFormat::Mxfp4);
+    let n = reference.generated_ids.len();
+    for (budget, distance, proxy) in [
+        (RamBudget::Bytes(0), 1, PrefetchProxy::B),
+        (RamBudget::Bytes(0), 3, PrefetchProxy::A),
+        (RamBudget::Percent(30.0), 2, PrefetchProxy::B),
+    ] {
+        let model = Model::load_with(
+            out.path(),
+            &ModelOptions {
+                ram_budget: budget,
+                direct_io: true,
+                io_threads: 3,
+                // Records span several chunks, read side by side.
+                read_chunk_bytes: 4096,
+                prefetch: PrefetchOptions {
+                    enabled: true,
+                    proxy,
+                    distance,
+                    measure_accuracy: true,
+                },
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let ids = cpu_ids(&model, &reference.prompt_ids, n);
+        assert_eq!(
+            ids, reference.generated_ids,
+            "{budget:?}, distance {distance}"
+        );
+        let stats = model.experts.stats();
+        assert!(stats.prefetch.issued > 0 && stats.prefetch.used > 0);
+        assert!(
+            stats.reads.chunks > stats.disk_reads,
+            "records read in chunks"
+        );
+        assert!(stats.reads.mean_depth().is_some_and(|d| d >= 1.0));
+        for d in 1..=3 {
+            assert!(
+                model.prediction_accuracy_at(proxy, d).is_some(),
+                "distance {d}"
+            );
+        }
+        assert_eq!(model.experts.layer_wait_ms().len(), model.config.num_layers);
+    }
+    let options = BenchOptions {
+        backend: picchio::model::generate::BackendChoice::Cpu,
+        ram_budgets: vec![RamBudget::Bytes(0)],
+        direct_io: true,
+        prefetch: vec![true],
+        prefetch_distance: 2,
+        prompt_tokens: 4,
+        gen_tokens: 4,
+        seed: 1,
+        ..BenchOptions::new(out.path().to_path_buf())
+    };
+    let run = run_bench(&options, &mut |_, _| {}).unwrap().remove(0);
+    assert!(run.disk_bandwidth_bytes_per_s.is_some_and(|b| b > 0.0));
+    assert!(run.disk_best_depth.is_some());
+    assert!(run.disk_bandwidth_at_io_threads_bytes_per_s <= run.disk_bandwidth_bytes_per_s);
+    assert!(run.disk_bound_s_per_token.is_some_and(|s| s > 0.0));
+    assert!(run.disk_roofline_fraction.is_some_and(|f| f > 0.0));
+    assert_eq!(run.prefetch_distance, 2);
+}

@@ -77,35 +77,40 @@ fn bench_sweeps_budgets_and_writes_csv_and_plot() {
     // A copy: bench saves expert usage beside the model.
     let dir = copy_fixture("tiny-long");
     let options = BenchOptions {
-        model: dir.path().to_path_buf(),
         backend: BackendChoice::Cpu,
         ram_budgets: vec![RamBudget::Bytes(0), RamBudget::Percent(100.0)],
         vram_budgets: vec![RamBudget::Bytes(0), RamBudget::Auto], // ignored on the CPU tier
-        miss_policy: Default::default(),
-        direct_io: false,
         prefetch: vec![false, true],
-        prefetch_proxy: Default::default(),
         prompt_tokens: 8,
         gen_tokens: 6,
         seed: 3,
-        roofline: false,
-        profile: false,
-        dense_format: Default::default(),
-        expert_activations: Default::default(),
-        mmap: Default::default(),
-        kv_format: Default::default(),
+        ..BenchOptions::new(dir.path().to_path_buf())
     };
     let mut calls = 0;
     let runs = run_bench(&options, &mut |_, _| calls += 1).unwrap();
     assert_eq!((runs.len(), calls), (4, 4));
-    // Prefetch off and on for each budget, side by side; with no RAM cache nothing is
-    // prefetched (there is nowhere to keep it).
+    // Prefetch off and on for each budget, side by side; with no RAM cache, guesses wait in the
+    // staging area, and are scored at every distance.
     assert_eq!(
         runs.iter().map(|r| r.prefetch).collect::<Vec<_>>(),
         [false, true, false, true]
     );
-    assert_eq!(runs[1].prefetch_bytes_per_token, 0.0);
+    assert!(runs[1].prefetch_bytes_per_token > 0.0);
+    assert!(runs[1].prefetch_used_per_token > 0.0);
+    assert!(runs[1].prefetch_staging_experts > 0);
     assert!(runs[1].prefetch_accuracy.is_some_and(|a| a > 0.0));
+    assert!(
+        runs[1]
+            .prefetch_accuracy_by_distance
+            .iter()
+            .all(|a| a.is_some_and(|a| a > 0.0))
+    );
+    assert_eq!(
+        runs[1].prefetch_accuracy,
+        runs[1].prefetch_accuracy_by_distance[0]
+    );
+    // Without --direct-io no disk figure is measured (the page cache would serve it).
+    assert!(runs.iter().all(|r| r.disk_roofline_fraction.is_none()));
     // Without prefetch nothing guesses (the router products would cost decode time).
     assert_eq!(runs[0].prefetch_accuracy, None);
     let runs: Vec<_> = runs.into_iter().filter(|r| !r.prefetch).collect();

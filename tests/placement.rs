@@ -185,23 +185,14 @@ fn bench_sweeps_vram_budgets() {
     // A copy: bench saves expert usage beside the model.
     let dir = copy_fixture("tiny-long");
     let options = BenchOptions {
-        model: dir.path().to_path_buf(),
         backend: BackendChoice::Gpu,
         ram_budgets: vec![RamBudget::Percent(100.0)],
         vram_budgets: vec![VramBudget::Bytes(0), VramBudget::Percent(100.0)],
-        miss_policy: MissPolicy::Auto,
-        direct_io: false,
-        prefetch: vec![false],
-        prefetch_proxy: Default::default(),
         prompt_tokens: 8,
         gen_tokens: 6,
         seed: 3,
-        roofline: false,
         profile: true,
-        dense_format: Default::default(),
-        expert_activations: Default::default(),
-        mmap: Default::default(),
-        kv_format: Default::default(),
+        ..BenchOptions::new(dir.path().to_path_buf())
     };
     let runs = run_bench(&options, &mut |_, _| {}).unwrap();
     assert_eq!(runs.len(), 2);
@@ -299,7 +290,7 @@ fn prefetch_never_changes_tokens_and_guesses_better_than_chance() {
                     prefetch: PrefetchOptions {
                         enabled: true,
                         proxy,
-                        measure_accuracy: false,
+                        ..Default::default()
                     },
                     ..Default::default()
                 },
@@ -375,6 +366,7 @@ fn prefetch_reaches_vram_without_a_ram_cache() {
                     enabled,
                     proxy: PrefetchProxy::B,
                     measure_accuracy: true,
+                    ..Default::default()
                 },
                 ..Default::default()
             },

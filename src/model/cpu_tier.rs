@@ -17,6 +17,14 @@ use crate::error::Result;
 use crate::formats::KvFormat;
 use crate::weights::{DenseMatrix, LayerWeights};
 
+/// One proxy's guess, made `distance` layers ahead, at layer `layer`'s experts per position.
+struct Guess {
+    proxy: PrefetchProxy,
+    distance: usize,
+    layer: usize,
+    experts: Vec<Vec<usize>>,
+}
+
 /// An expert's output for a block: the positions that chose it with their routing weights for
 /// it, and one output row for each.
 type ExpertOutput = (Vec<(usize, f32)>, Vec<f32>);
@@ -30,8 +38,8 @@ pub struct CpuTier<'a> {
     start: usize,
     /// The layer this run stops before: the layer before it guesses no next layer.
     end: usize,
-    /// Each proxy's guess at the next layer's experts, per position.
-    predicted: [Option<Vec<Vec<usize>>>; 2],
+    /// Guesses at later layers' experts, until those layers route.
+    guesses: Vec<Guess>,
     trace: Option<&'a mut Vec<LayerTrace>>,
     /// The traced layer's residual after attention and its routing, until its experts are in.
     traced: (Option<Vec<f32>>, Option<Vec<Routing>>),
@@ -50,15 +58,10 @@ impl<'a> CpuTier<'a> {
             cache,
             start,
             end,
-            predicted: [None, None],
+            guesses: Vec::new(),
             trace,
             traced: (None, None),
         }
-    }
-
-    /// The layer after `layer`, when this run goes on to it.
-    fn next_layer(&self, layer: usize) -> Option<usize> {
-        (layer + 1 < self.end).then_some(layer + 1)
     }
 
     /// Output values per position of `projection`.
@@ -413,38 +416,55 @@ impl Tier for CpuTier<'_> {
 }
 
 impl CpuTier<'_> {
-    /// Scores the guesses made at the layer before against `routings`, then guesses the next
-    /// layer's experts with proxy A (this layer's MoE input through the next layer's router).
+    /// Scores the guesses made for this layer against `routings`, then guesses later layers'
+    /// experts with proxy A (this layer's MoE input through their routers).
     fn score_and_guess_a(&mut self, layer: usize, x: &[f32], routings: &[Routing]) -> Result<()> {
         let model = self.model;
-        let guesses = std::mem::take(&mut self.predicted);
-        for (which, guess) in PrefetchProxy::ALL.into_iter().zip(&guesses) {
-            if let Some(guess) = guess {
-                model.score_prediction(which, guess, routings);
-            }
+        let (now, later): (Vec<Guess>, Vec<Guess>) = std::mem::take(&mut self.guesses)
+            .into_iter()
+            .partition(|g| g.layer == layer);
+        self.guesses = later;
+        for g in now {
+            model.score_prediction(g.proxy, g.distance, &g.experts, routings);
         }
-        if let Some(next) = self
-            .next_layer(layer)
-            .filter(|_| model.guesses_with(PrefetchProxy::A))
-        {
-            let prefetch = model.prefetches_with(PrefetchProxy::A);
-            self.predicted[0] = Some(model.predict_experts(next, x, prefetch)?);
-        }
-        Ok(())
+        self.guess(PrefetchProxy::A, layer, |_| Ok(x.to_vec()))
     }
 
-    /// Proxy B: the residual after this layer's experts, normalized as the next layer will.
+    /// Proxy B: the residual after this layer's experts, normalized as each later layer will.
     fn guess_b(&mut self, layer: usize, hidden: &[f32]) -> Result<()> {
         let model = self.model;
-        if let Some(next) = self
-            .next_layer(layer)
-            .filter(|_| model.guesses_with(PrefetchProxy::B))
-        {
+        self.guess(PrefetchProxy::B, layer, |target| {
             let mut proxy = vec![0f32; hidden.len()];
-            let norm = &model.weights.layers[next].post_attention_norm;
+            let norm = &model.weights.layers[target].post_attention_norm;
             rms_norm(hidden, norm, model.config.rms_norm_eps, &mut proxy);
-            let prefetch = model.prefetches_with(PrefetchProxy::B);
-            self.predicted[1] = Some(model.predict_experts(next, &proxy, prefetch)?);
+            Ok(proxy)
+        })
+    }
+
+    /// Guesses the experts of the layers up to `which` proxy's distance after `layer`, each from
+    /// `input(target)` through the target's router, and prefetches those within the prefetch
+    /// distance when this proxy prefetches.
+    fn guess(
+        &mut self,
+        which: PrefetchProxy,
+        layer: usize,
+        input: impl Fn(usize) -> Result<Vec<f32>>,
+    ) -> Result<()> {
+        let model = self.model;
+        let prefetches = model.prefetches_with(which);
+        for distance in 1..=model.guess_distance(which) {
+            let target = layer + distance;
+            if target >= self.end {
+                break;
+            }
+            let prefetch = prefetches && distance <= model.prefetch.distance;
+            let experts = model.predict_experts(target, &input(target)?, prefetch)?;
+            self.guesses.push(Guess {
+                proxy: which,
+                distance,
+                layer: target,
+                experts,
+            });
         }
         Ok(())
     }

@@ -59,7 +59,10 @@ pub struct Model {
     /// How both tiers' KV caches hold keys and values (`--kv-cache`).
     pub kv_format: crate::formats::KvFormat,
     /// Per proxy (A, B): experts predicted right, and experts to predict.
-    prediction: [(std::sync::atomic::AtomicU64, std::sync::atomic::AtomicU64); 2],
+    /// Per proxy and distance (1..=MAX_PREFETCH_DISTANCE layers ahead): actual experts the
+    /// guesses named, and actual experts.
+    prediction:
+        [[(std::sync::atomic::AtomicU64, std::sync::atomic::AtomicU64); MAX_PREFETCH_DISTANCE]; 2],
 }
 
 /// What stands in for layer L+1's MoE input when guessing its experts during layer L.
@@ -96,15 +99,32 @@ impl std::str::FromStr for PrefetchProxy {
     }
 }
 
-/// Router-guided prefetch of the next layer's experts into the RAM cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// The farthest a guess looks ahead, in layers (and the distances `--stats` scores).
+pub const MAX_PREFETCH_DISTANCE: usize = 3;
+
+/// Router-guided prefetch of later layers' experts into the RAM cache's staging area.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefetchOptions {
     pub enabled: bool,
     pub proxy: PrefetchProxy,
+    /// How many layers ahead guesses are read (1: the next layer only; at most
+    /// `MAX_PREFETCH_DISTANCE`).
+    pub distance: usize,
     /// Guess with every proxy and score the guesses even where nothing is prefetched (what
     /// `--stats` reports). Otherwise only the proxy that prefetches guesses: the others' router
     /// products and norms cost decode time for a number nobody reads.
     pub measure_accuracy: bool,
+}
+
+impl Default for PrefetchOptions {
+    fn default() -> Self {
+        PrefetchOptions {
+            enabled: false,
+            proxy: PrefetchProxy::default(),
+            distance: 1,
+            measure_accuracy: false,
+        }
+    }
 }
 
 /// Microseconds the CPU forward pass spent per part (expert time includes waiting for reads;
@@ -142,8 +162,10 @@ impl CpuTimings {
 pub struct ModelOptions {
     /// RAM the CPU tier's expert cache may hold.
     pub ram_budget: RamBudget,
-    /// Threads reading experts from disk.
+    /// Threads reading experts from disk: the reads the disk has in flight.
     pub io_threads: usize,
+    /// Largest read an IO thread makes at once (an expert is read in chunks side by side).
+    pub read_chunk_bytes: usize,
     /// Pin the experts earlier runs used most (from the usage file, `usage_dir`), and let
     /// `save_usage` add this run's counts there. Off by default: runs stay independent.
     pub hot_experts: bool,
@@ -196,6 +218,15 @@ impl std::str::FromStr for MmapMode {
     }
 }
 
+/// Reads in flight by default, and the largest single read: see docs/performance for the
+/// queue depths and read sizes measured on a virtual disk.
+pub const DEFAULT_IO_THREADS: usize = 16;
+pub const DEFAULT_READ_CHUNK_BYTES: usize = 2 << 20;
+
+/// The staging area holds this many layers' worth of a decoded token's guessed experts (top-k
+/// each): room for guesses a few layers ahead while the current layer's arrive.
+const PREFETCH_STAGING_LAYERS: usize = 4;
+
 /// Memory kept free beside weights copied into memory (`MmapMode::Auto`): KV cache, buffers, OS.
 const COPY_RESERVE_BYTES: u64 = 4 << 30;
 
@@ -229,7 +260,8 @@ impl Default for ModelOptions {
     fn default() -> Self {
         ModelOptions {
             ram_budget: RamBudget::Auto,
-            io_threads: 4,
+            io_threads: DEFAULT_IO_THREADS,
+            read_chunk_bytes: DEFAULT_READ_CHUNK_BYTES,
             hot_experts: false,
             direct_io: false,
             prefetch: PrefetchOptions::default(),
@@ -318,6 +350,8 @@ impl Model {
             ram_budget,
             crate::experts::StoreOptions {
                 io_threads: options.io_threads,
+                read_chunk_bytes: options.read_chunk_bytes,
+                staging_experts: PREFETCH_STAGING_LAYERS * config.experts_per_token,
                 hot_experts: options.hot_experts,
                 direct_io: options.direct_io,
                 check_records: options.check_records,
@@ -584,20 +618,16 @@ impl Model {
     }
 
     /// Whether the CPU tier prefetches with `which` proxy.
-    fn prefetches_with(&self, which: PrefetchProxy) -> bool {
+    pub fn prefetches_with(&self, which: PrefetchProxy) -> bool {
         self.prefetch.enabled && self.prefetch.proxy == which
     }
 
-    /// Whether `which` proxy guesses the next layer's experts: where it prefetches, or where
-    /// its accuracy is measured.
-    pub fn guesses_with(&self, which: PrefetchProxy) -> bool {
-        self.prefetches_with(which) || self.prefetch.measure_accuracy
-    }
-
-    /// Adds how many of each token's `actual` experts `predicted` named to `which` proxy's score.
+    /// Adds how many of each token's `actual` experts `predicted` named to the score of `which`
+    /// proxy's guesses made `distance` layers ahead.
     pub fn score_prediction(
         &self,
         which: PrefetchProxy,
+        distance: usize,
         predicted: &[Vec<usize>],
         actual: &[Routing],
     ) {
@@ -607,20 +637,37 @@ impl Model {
             .map(|(p, a)| a.experts.iter().filter(|e| p.contains(e)).count())
             .sum();
         let slots: usize = actual.iter().map(|a| a.experts.len()).sum();
-        let (h, s) = &self.prediction[which as usize];
+        let (h, s) = &self.prediction[which as usize][distance - 1];
         h.fetch_add(hits as u64, std::sync::atomic::Ordering::Relaxed);
         s.fetch_add(slots as u64, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Share of the actual experts each proxy predicted, over tokens and layers 1.. (None before
-    /// any prediction was scored).
+    /// Share of the actual experts each proxy predicted one layer ahead, over tokens and layers
+    /// 1.. (None before any prediction was scored).
     pub fn prediction_accuracy(&self, which: PrefetchProxy) -> Option<f64> {
-        let (h, s) = &self.prediction[which as usize];
+        self.prediction_accuracy_at(which, 1)
+    }
+
+    /// As `prediction_accuracy`, for guesses made `distance` layers ahead.
+    pub fn prediction_accuracy_at(&self, which: PrefetchProxy, distance: usize) -> Option<f64> {
+        let (h, s) = &self.prediction[which as usize][distance - 1];
         let (h, s) = (
             h.load(std::sync::atomic::Ordering::Relaxed),
             s.load(std::sync::atomic::Ordering::Relaxed),
         );
         (s > 0).then(|| h as f64 / s as f64)
+    }
+
+    /// How far ahead `which` proxy guesses on the CPU tier: the prefetch distance where it
+    /// prefetches, every scored distance where accuracy is measured, else not at all (0).
+    pub fn guess_distance(&self, which: PrefetchProxy) -> usize {
+        if self.prefetch.measure_accuracy {
+            MAX_PREFETCH_DISTANCE.max(self.prefetch.distance)
+        } else if self.prefetches_with(which) {
+            self.prefetch.distance
+        } else {
+            0
+        }
     }
 
     /// Expert `e` of layer `l` (weights in `expert`) applied to the rows of `xs`, bias included

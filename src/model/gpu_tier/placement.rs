@@ -326,7 +326,7 @@ impl GpuModel<'_> {
         let k = self.config.experts_per_token;
         if let Some(guess) = self.guess.take() {
             let actual = routing_of_ids(ids, k);
-            model.score_prediction(PrefetchProxy::A, &guess, &actual);
+            model.score_prediction(PrefetchProxy::A, 1, &guess, &actual);
         }
         let next = l + 1;
         // Layers with every expert resident have nothing to prefetch.

@@ -3,6 +3,16 @@
 //!
 //! The CPU tier asks for the experts a layer's routing chose; hits come from RAM, misses from
 //! disk. Where an expert comes from never changes the math: the bytes are the checkpoint's own.
+//! Guessed experts (prefetch) wait in a small staging area beside the LRU until a layer uses
+//! them, so a guess never evicts an expert the LRU kept.
+
+mod disk_bandwidth;
+mod reader;
+
+pub use disk_bandwidth::DiskBandwidth;
+
+pub use reader::Priority;
+use reader::{ReadHandle, Reader};
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -13,6 +23,7 @@ use std::time::Instant;
 
 use crate::error::{Error, Result};
 use crate::flat_store::{FlatExperts, FlatFormat, ProjectionLayout, Span};
+use crate::pages::PageBuffer;
 use crate::weights::{
     Checkpoint, DenseExperts, ExpertMatrices, FloatFormat, Int4Experts, ModelWeights, Mxfp4Experts,
     TensorBytes,
@@ -139,6 +150,11 @@ pub struct ExpertCounters {
     pub prefetch_bytes: AtomicU64,
     pub prefetch_used: AtomicU64,
     pub prefetch_wasted_bytes: AtomicU64,
+    /// Prefetched experts a request took from the staging area (arrived in time), guesses not
+    /// read for want of staging room, and queued guesses cancelled as wrong.
+    pub staged_hits: AtomicU64,
+    pub prefetch_skipped: AtomicU64,
+    pub prefetch_cancelled: AtomicU64,
 }
 
 /// A copy of the counters at one moment.
@@ -158,6 +174,36 @@ pub struct ExpertStats {
     pub upload_bytes: u64,
     pub upload_ms: f64,
     pub prefetch: PrefetchStats,
+    pub reads: ReadStats,
+}
+
+/// What the IO threads did: chunks read, and the reads and bytes in flight each chunk saw when
+/// it started (summed, itself included).
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct ReadStats {
+    pub chunks: u64,
+    pub depth_sum: u64,
+    pub bytes_in_flight_sum: u64,
+}
+
+impl ReadStats {
+    /// Mean reads in flight as a chunk started: the queue depth the disk was given.
+    pub fn mean_depth(&self) -> Option<f64> {
+        (self.chunks > 0).then(|| self.depth_sum as f64 / self.chunks as f64)
+    }
+
+    /// Mean bytes in flight as a chunk started.
+    pub fn mean_bytes_in_flight(&self) -> Option<f64> {
+        (self.chunks > 0).then(|| self.bytes_in_flight_sum as f64 / self.chunks as f64)
+    }
+
+    fn since(&self, earlier: &ReadStats) -> ReadStats {
+        ReadStats {
+            chunks: self.chunks - earlier.chunks,
+            depth_sum: self.depth_sum - earlier.depth_sum,
+            bytes_in_flight_sum: self.bytes_in_flight_sum - earlier.bytes_in_flight_sum,
+        }
+    }
 }
 
 /// What prefetching did (its reads are not in `disk_reads`/`disk_bytes`, which count reads a
@@ -169,8 +215,14 @@ pub struct PrefetchStats {
     pub bytes: u64,
     /// Prefetched experts a layer's real routing then chose.
     pub used: u64,
-    /// Bytes of prefetched experts evicted or dropped before any use, or still unused.
+    /// Bytes of prefetched experts dropped before any use, or still unused.
     pub wasted_bytes: u64,
+    /// Of `used`, those that had arrived before the layer asked (the rest it waited for).
+    pub staged_hits: u64,
+    /// Guesses not read for want of staging room.
+    pub skipped: u64,
+    /// Queued guesses cancelled once the layer chose otherwise.
+    pub cancelled: u64,
 }
 
 impl ExpertStats {
@@ -195,7 +247,11 @@ impl ExpertStats {
                     .prefetch
                     .wasted_bytes
                     .saturating_sub(earlier.prefetch.wasted_bytes),
+                staged_hits: self.prefetch.staged_hits - earlier.prefetch.staged_hits,
+                skipped: self.prefetch.skipped - earlier.prefetch.skipped,
+                cancelled: self.prefetch.cancelled - earlier.prefetch.cancelled,
             },
+            reads: self.reads.since(&earlier.reads),
         }
     }
 }
@@ -319,9 +375,6 @@ struct Shared {
     records: Option<RecordCheck>,
 }
 
-/// Views of one read's bytes by range.
-type ViewOf = Box<dyn Fn(std::ops::Range<usize>) -> TensorBytes>;
-
 /// Parts that follow each other in the same file, as one read.
 fn coalesce(parts: &[Part]) -> Vec<Part> {
     let mut reads: Vec<Part> = Vec::new();
@@ -340,8 +393,57 @@ fn coalesce(parts: &[Part]) -> Vec<Part> {
     reads
 }
 
+/// How one expert is read: the runs of its bytes in the files, in order, into a buffer of
+/// `pages` pages (`mapped`: no copy, the expert is viewed in the mapped files).
+struct ReadPlan {
+    segments: Vec<reader::Segment>,
+    pages: usize,
+    mapped: bool,
+}
+
 impl Shared {
-    fn read(&self, key: ExpertKey) -> Result<ExpertData> {
+    fn plan(&self, key: ExpertKey) -> ReadPlan {
+        if self.mapped.is_some() {
+            return ReadPlan {
+                segments: Vec::new(),
+                pages: 0,
+                mapped: true,
+            };
+        }
+        let reads = coalesce(&self.parts(key.layer));
+        let mut segments = Vec::with_capacity(reads.len());
+        let mut dest = 0;
+        for part in &reads {
+            // O_DIRECT reads whole pages: a converted store's record is one read from a page
+            // boundary, padded to its stride.
+            let len = if self.direct {
+                part.len.next_multiple_of(4096)
+            } else {
+                part.len
+            };
+            segments.push(reader::Segment {
+                file: part.file,
+                offset: part.offset + key.expert as u64 * part.stride,
+                len,
+                dest,
+            });
+            dest += len;
+        }
+        ReadPlan {
+            segments,
+            pages: dest.div_ceil(4096),
+            mapped: false,
+        }
+    }
+
+    /// Layer `layer`'s projections' parts, gate_up then down.
+    fn parts(&self, layer: usize) -> Vec<Part> {
+        let (gate_up, down) = &self.layers[layer];
+        gate_up.parts().into_iter().chain(down.parts()).collect()
+    }
+
+    /// Checks an expert's bytes as read into `buffer` (planned by `plan`) and views them.
+    fn finish(&self, key: ExpertKey, buffer: PageBuffer) -> Result<ExpertData> {
         if let Some(mapped) = &self.mapped {
             if let Some(records) = &self.records {
                 records.check(key, None)?;
@@ -356,52 +458,22 @@ impl Shared {
                 down,
             });
         }
-        let (gate_up, down) = &self.layers[key.layer];
-        let parts: Vec<Part> = gate_up.parts().into_iter().chain(down.parts()).collect();
-        let reads = coalesce(&parts);
-        let total: usize = parts.iter().map(|p| p.len).sum();
-        let at = |part: &Part| part.offset + key.expert as u64 * part.stride;
-        let (bytes, read): (ViewOf, usize) = if self.direct {
-            // A converted store: one record, page-aligned, read whole pages at once.
-            let [part] = reads.as_slice() else {
-                return Err(Error::Unsupported(
-                    "--direct-io reads converted expert stores (picchio convert)".into(),
-                ));
-            };
-            let pages = part.len.div_ceil(4096);
-            let mut buffer = vec![crate::weights::Page([0; 4096]); pages];
-            let (path, file) = &self.files[part.file];
-            read_exact_at(file, crate::weights::page_bytes_mut(&mut buffer), at(part))
-                .map_err(|e| Error::io(path, e))?;
-            if let Some(records) = &self.records {
-                records.check(key, Some(crate::weights::page_bytes(&buffer)))?;
-            }
-            let buffer = Arc::new(buffer);
-            (
-                Box::new(move |r| TensorBytes::paged(buffer.clone(), r)),
-                pages * 4096,
-            )
+        let total: usize = self.parts(key.layer).iter().map(|p| p.len).sum();
+        if let Some(records) = &self.records {
+            // A converted store's record is one read, from its start.
+            records.check(key, Some(buffer.bytes()))?;
+        }
+        // What the disk delivered: whole pages with O_DIRECT.
+        let read = if self.direct {
+            buffer.bytes().len()
         } else {
-            let mut buffer = vec![0u8; total];
-            let mut filled = 0;
-            for part in &reads {
-                let (path, file) = &self.files[part.file];
-                read_exact_at(file, &mut buffer[filled..filled + part.len], at(part))
-                    .map_err(|e| Error::io(path, e))?;
-                filled += part.len;
-            }
-            if let Some(records) = &self.records {
-                // A converted store's record is one read, from its start.
-                records.check(key, Some(&buffer))?;
-            }
-            let buffer = Arc::new(buffer); // no copy: the views share it
-            (
-                Box::new(move |r| TensorBytes::shared(buffer.clone(), r)),
-                total,
-            )
+            total
         };
-        let (gate_up, end) = gate_up.view(&*bytes, 0);
-        let (down, _) = down.view(&*bytes, end);
+        let buffer = Arc::new(buffer); // no copy: the views share it
+        let bytes = move |r| TensorBytes::paged(buffer.clone(), r);
+        let (gate_up, down) = &self.layers[key.layer];
+        let (gate_up, end) = gate_up.view(&bytes, 0);
+        let (down, _) = down.view(&bytes, end);
         Ok(ExpertData {
             gate_up,
             down,
@@ -466,12 +538,10 @@ fn io_stopped() -> Error {
 struct Lru {
     entries: HashMap<ExpertKey, (Arc<ExpertData>, u64)>,
     /// Prefetch reads under way.
-    in_flight: HashMap<ExpertKey, flume::Receiver<Result<Arc<ExpertData>>>>,
-    /// Prefetched experts in `entries` no request has used yet.
-    unused: std::collections::HashSet<ExpertKey>,
-    /// The clock when the latest request began: entries used since are the current layer's,
-    /// which prefetched experts never evict.
-    protect_since: u64,
+    in_flight: HashMap<ExpertKey, ReadHandle>,
+    /// Prefetched experts that arrived and that no layer used yet: outside the budget, at most
+    /// `ExpertStore::staging` of them with those in flight.
+    staged: HashMap<ExpertKey, Arc<ExpertData>>,
     /// Hot experts loaded at start-up: never evicted.
     pinned: std::collections::HashSet<ExpertKey>,
     bytes: u64,
@@ -542,13 +612,16 @@ struct Usage {
     counts: Vec<u64>,
 }
 
-type Reply = flume::Sender<Result<Arc<ExpertData>>>;
-
 /// How the store reads.
 #[derive(Debug, Clone)]
 pub struct StoreOptions {
-    /// Threads reading experts.
+    /// Threads reading experts: the reads the disk has in flight.
     pub io_threads: usize,
+    /// Largest read an IO thread makes at once: an expert is read in chunks of this size by
+    /// several threads side by side.
+    pub read_chunk_bytes: usize,
+    /// Prefetched experts (arrived or in flight) the staging area holds at most.
+    pub staging_experts: usize,
     /// Pin the most used experts of earlier runs and save this run's usage (`usage_file`).
     pub hot_experts: bool,
     /// Where usage files go instead of the user's cache directory.
@@ -567,22 +640,28 @@ pub struct Pending(PendingState);
 
 enum PendingState {
     Ready(Arc<ExpertData>),
-    Reading(ExpertKey, flume::Receiver<Result<Arc<ExpertData>>>),
+    Reading(ReadHandle),
     /// A prefetch read under way that a request now wants.
-    Prefetched(ExpertKey, flume::Receiver<Result<Arc<ExpertData>>>),
+    Prefetched(ReadHandle),
 }
 
 /// The experts of a model: disk -> RAM LRU, read by IO threads.
 pub struct ExpertStore {
     /// Where the experts live (also held by the IO threads).
     shared: Arc<Shared>,
-    jobs: flume::Sender<(ExpertKey, Reply)>,
+    reader: Reader,
     cache: Mutex<Lru>,
     budget: u64,
+    /// Prefetched experts held beside the budget, at most (arrived or in flight).
+    staging: usize,
     expert_bytes: u64,
     counters: ExpertCounters,
     /// Requests per (layer, expert) in this run.
     usage: Vec<AtomicU64>,
+    /// Microseconds each layer waited for its expert reads.
+    layer_wait_us: Vec<AtomicU64>,
+    /// Reads from disk (demand and prefetch) per (layer, expert).
+    disk_reads_by_key: Vec<AtomicU64>,
     experts_per_layer: usize,
     /// The usage file (`usage_file`), when hot experts are on and there is a place for it.
     usage_path: Option<PathBuf>,
@@ -602,6 +681,8 @@ impl ExpertStore {
     ) -> Result<ExpertStore> {
         let StoreOptions {
             io_threads,
+            read_chunk_bytes,
+            staging_experts,
             hot_experts,
             direct_io,
             check_records,
@@ -674,38 +755,33 @@ impl ExpertStore {
             mapped,
             records,
         });
-        let (jobs, queue) = flume::unbounded::<(ExpertKey, Reply)>();
-        for n in 0..io_threads.max(1) {
-            let shared = shared.clone();
-            let queue = queue.clone();
-            std::thread::Builder::new()
-                .name(format!("picchio-io-{n}"))
-                .spawn(move || {
-                    // Ends when the store (the only sender) is dropped.
-                    for (key, reply) in queue.iter() {
-                        let _ = reply.send(shared.read(key).map(Arc::new));
-                    }
-                })
-                .map_err(|e| Error::io("IO thread", e))?;
-        }
+        // A layer's experts come back together once it has run: a few idle buffers cover the
+        // next layer's reads; more would only hold memory after a prompt's burst.
+        let reader = Reader::start(shared.clone(), io_threads, read_chunk_bytes, io_threads)?;
         log::debug!("expert RAM budget: {budget} bytes of {total_expert_bytes}");
         let experts_per_layer = weights.layers.first().map_or(0, |l| l.gate_up.experts());
         let store = ExpertStore {
             shared: shared.clone(),
-            jobs,
+            reader,
             cache: Mutex::new(Lru {
                 entries: HashMap::new(),
                 in_flight: HashMap::new(),
-                unused: Default::default(),
-                protect_since: 0,
+                staged: HashMap::new(),
                 pinned: Default::default(),
                 bytes: 0,
                 clock: 0,
             }),
             budget,
+            staging: staging_experts,
             expert_bytes,
             counters: ExpertCounters::default(),
             usage: (0..weights.layers.len() * experts_per_layer)
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+            layer_wait_us: (0..weights.layers.len())
+                .map(|_| AtomicU64::new(0))
+                .collect(),
+            disk_reads_by_key: (0..weights.layers.len() * experts_per_layer)
                 .map(|_| AtomicU64::new(0))
                 .collect(),
             experts_per_layer,
@@ -956,12 +1032,19 @@ impl ExpertStore {
                 // Prefetched experts still waiting for a use count as waste until used.
                 wasted_bytes: c.prefetch_wasted_bytes.load(Ordering::Relaxed) + {
                     let lru = self.cache.lock().unwrap();
-                    lru.unused
-                        .iter()
-                        .filter_map(|k| lru.entries.get(k))
-                        .map(|(d, _)| d.bytes as u64)
-                        .sum::<u64>()
+                    lru.staged.values().map(|d| d.bytes as u64).sum::<u64>()
                 },
+                staged_hits: c.staged_hits.load(Ordering::Relaxed),
+                skipped: c.prefetch_skipped.load(Ordering::Relaxed),
+                cancelled: c.prefetch_cancelled.load(Ordering::Relaxed),
+            },
+            reads: {
+                let r = &self.reader.counters;
+                ReadStats {
+                    chunks: r.chunks.load(Ordering::Relaxed),
+                    depth_sum: r.depth_sum.load(Ordering::Relaxed),
+                    bytes_in_flight_sum: r.bytes_in_flight_sum.load(Ordering::Relaxed),
+                }
             },
         }
     }
@@ -1035,56 +1118,91 @@ impl ExpertStore {
         }
         let mut requests = Vec::with_capacity(experts.len());
         self.collect_prefetched();
+        self.drop_wrong_guesses(layer, experts);
         let mut lru = self.cache.lock().unwrap();
-        lru.protect_since = lru.clock + 1;
         for &expert in experts {
             let key = ExpertKey { layer, expert };
             lru.clock += 1;
             let now = lru.clock;
-            let prefetched = lru.unused.remove(&key);
-            match lru.entries.get_mut(&key) {
-                Some((data, used)) => {
-                    *used = now;
-                    c.requests.fetch_add(1, Ordering::Relaxed);
-                    c.ram_hits.fetch_add(1, Ordering::Relaxed);
-                    if prefetched {
-                        c.prefetch_used.fetch_add(1, Ordering::Relaxed);
-                    }
-                    requests.push(Pending(PendingState::Ready(data.clone())));
-                }
-                None => match lru.in_flight.remove(&key) {
-                    Some(answer) => {
-                        requests.push(Pending(PendingState::Prefetched(key, answer)));
-                    }
-                    None => {
-                        let (reply, answer) = flume::bounded(1);
-                        self.jobs.send((key, reply)).map_err(|_| io_stopped())?;
-                        requests.push(Pending(PendingState::Reading(key, answer)));
-                    }
-                },
+            if let Some((data, used)) = lru.entries.get_mut(&key) {
+                *used = now;
+                c.requests.fetch_add(1, Ordering::Relaxed);
+                c.ram_hits.fetch_add(1, Ordering::Relaxed);
+                requests.push(Pending(PendingState::Ready(data.clone())));
+            } else if let Some(data) = lru.staged.remove(&key) {
+                // A guess that arrived in time: now a use, cached as a read of it would be.
+                c.requests.fetch_add(1, Ordering::Relaxed);
+                c.ram_hits.fetch_add(1, Ordering::Relaxed);
+                c.prefetch_used.fetch_add(1, Ordering::Relaxed);
+                c.staged_hits.fetch_add(1, Ordering::Relaxed);
+                self.insert_locked(&mut lru, key, &data);
+                requests.push(Pending(PendingState::Ready(data)));
+            } else if let Some(read) = lru.in_flight.remove(&key) {
+                self.reader.promote(&read);
+                requests.push(Pending(PendingState::Prefetched(read)));
+            } else {
+                let read = self.submit(key, Priority::Demand);
+                requests.push(Pending(PendingState::Reading(read)));
             }
         }
         Ok(requests)
     }
 
-    /// Starts reading `experts` of `layer` that are neither cached nor being read, for a later
-    /// request; they enter the RAM cache when they arrive, evicting only experts the current
-    /// layer did not ask for. Returns how many reads were queued. With no RAM budget nothing is
-    /// prefetched (there is nowhere to keep it).
-    pub fn prefetch(&self, layer: usize, experts: &[usize]) -> Result<usize> {
-        if self.budget < self.expert_bytes {
-            return Ok(0);
+    /// Queues the read of `key` (counted in `disk_reads_by_key`).
+    fn submit(&self, key: ExpertKey, priority: Priority) -> ReadHandle {
+        self.disk_reads_by_key[key.layer * self.experts_per_layer + key.expert]
+            .fetch_add(1, Ordering::Relaxed);
+        self.reader.submit(&self.shared, key, priority)
+    }
+
+    /// Forgets the guesses for `layer` that its routing did not choose: staged ones are dropped
+    /// (wasted), queued reads cancelled (reads already started arrive and wait for the layer's
+    /// next turn).
+    fn drop_wrong_guesses(&self, layer: usize, chosen: &[usize]) {
+        let mut lru = self.cache.lock().unwrap();
+        let wrong = |key: &ExpertKey| key.layer == layer && !chosen.contains(&key.expert);
+        let staged: Vec<ExpertKey> = lru.staged.keys().copied().filter(wrong).collect();
+        for key in staged {
+            if let Some(data) = lru.staged.remove(&key) {
+                self.counters
+                    .prefetch_wasted_bytes
+                    .fetch_add(data.bytes as u64, Ordering::Relaxed);
+            }
         }
+        let queued: Vec<ExpertKey> = lru.in_flight.keys().copied().filter(wrong).collect();
+        for key in queued {
+            if self.reader.cancel(&lru.in_flight[&key]) {
+                lru.in_flight.remove(&key);
+                self.counters
+                    .prefetch_cancelled
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Starts reading `experts` of `layer` that are neither cached nor being read, for a later
+    /// request, behind every demand read: they wait in the staging area (not the budget) until
+    /// a layer uses them, so a guess never evicts a cached expert. Guesses beyond the staging
+    /// area's room are not read. Returns how many reads were queued.
+    pub fn prefetch(&self, layer: usize, experts: &[usize]) -> Result<usize> {
         let mut lru = self.cache.lock().unwrap();
         let mut issued = 0;
         for &expert in experts {
             let key = ExpertKey { layer, expert };
-            if lru.entries.contains_key(&key) || lru.in_flight.contains_key(&key) {
+            if lru.entries.contains_key(&key)
+                || lru.in_flight.contains_key(&key)
+                || lru.staged.contains_key(&key)
+            {
                 continue;
             }
-            let (reply, answer) = flume::bounded(1);
-            self.jobs.send((key, reply)).map_err(|_| io_stopped())?;
-            lru.in_flight.insert(key, answer);
+            if lru.in_flight.len() + lru.staged.len() >= self.staging {
+                self.counters
+                    .prefetch_skipped
+                    .fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            let read = self.submit(key, Priority::Prefetch);
+            lru.in_flight.insert(key, read);
             issued += 1;
         }
         self.counters
@@ -1094,8 +1212,8 @@ impl ExpertStore {
     }
 
     /// Starts reading `experts` of `layer` for a faster tier's prefetch (the GPU tier's VRAM
-    /// cache): from the RAM cache where it holds them, else by the IO threads, behind the reads
-    /// already queued. These are not requests (the layer has not chosen them yet): only
+    /// cache): from the RAM cache where it holds them, else by the IO threads, behind the
+    /// demand reads. These are not requests (the layer has not chosen them yet): only
     /// `prefetch.issued` counts them, and `wait_prefetch` their bytes.
     pub fn request_prefetch(&self, layer: usize, experts: &[usize]) -> Result<Vec<Pending>> {
         let lru = self.cache.lock().unwrap();
@@ -1105,9 +1223,8 @@ impl ExpertStore {
             match lru.entries.get(&key) {
                 Some((data, _)) => pending.push(Pending(PendingState::Ready(data.clone()))),
                 None => {
-                    let (reply, answer) = flume::bounded(1);
-                    self.jobs.send((key, reply)).map_err(|_| io_stopped())?;
-                    pending.push(Pending(PendingState::Reading(key, answer)));
+                    let read = self.submit(key, Priority::Prefetch);
+                    pending.push(Pending(PendingState::Reading(read)));
                 }
             }
         }
@@ -1121,8 +1238,8 @@ impl ExpertStore {
     pub fn wait_prefetch(&self, pending: Pending) -> Result<Arc<ExpertData>> {
         let data = match pending.0 {
             PendingState::Ready(data) => data,
-            PendingState::Reading(_, answer) | PendingState::Prefetched(_, answer) => {
-                answer.recv().map_err(|_| io_stopped())??
+            PendingState::Reading(read) | PendingState::Prefetched(read) => {
+                read.answer.recv().map_err(|_| io_stopped())??
             }
         };
         self.counters
@@ -1139,129 +1256,112 @@ impl ExpertStore {
             .fetch_add(wasted_bytes, Ordering::Relaxed);
     }
 
-    /// Moves prefetch reads that have arrived into the cache.
+    /// Moves prefetch reads that have arrived into the staging area (a failed one is forgotten:
+    /// a request reads the expert itself and reports).
     fn collect_prefetched(&self) {
-        let arrived: Vec<(ExpertKey, Result<Arc<ExpertData>>)> = {
-            let mut lru = self.cache.lock().unwrap();
-            let done: Vec<ExpertKey> = lru
-                .in_flight
-                .iter()
-                .filter(|(_, answer)| !answer.is_empty() || answer.is_disconnected())
-                .map(|(key, _)| *key)
-                .collect();
-            done.into_iter()
-                .filter_map(|key| {
-                    let answer = lru.in_flight.remove(&key)?;
-                    Some((key, answer.recv().unwrap_or_else(|_| Err(io_stopped()))))
-                })
-                .collect()
-        };
-        for (key, data) in arrived {
-            // A failed prefetch is forgotten: the request reads the expert itself and reports.
-            if let Ok(data) = data {
+        let mut lru = self.cache.lock().unwrap();
+        let done: Vec<ExpertKey> = lru
+            .in_flight
+            .iter()
+            .filter(|(_, read)| !read.answer.is_empty() || read.answer.is_disconnected())
+            .map(|(key, _)| *key)
+            .collect();
+        for key in done {
+            let Some(read) = lru.in_flight.remove(&key) else {
+                continue;
+            };
+            if let Ok(Ok(data)) = read.answer.recv() {
                 self.counters
                     .prefetch_bytes
                     .fetch_add(data.bytes as u64, Ordering::Relaxed);
-                if self.insert_with(key, &data, true) {
-                    self.cache.lock().unwrap().unused.insert(key);
-                } else {
-                    self.counters
-                        .prefetch_wasted_bytes
-                        .fetch_add(data.bytes as u64, Ordering::Relaxed);
-                }
+                lru.staged.insert(key, data);
             }
         }
     }
 
     /// The expert of a request, waiting for its read if it is still under way.
     pub fn wait(&self, pending: Pending) -> Result<Arc<ExpertData>> {
-        match pending.0 {
-            PendingState::Ready(data) => Ok(data),
-            PendingState::Reading(key, answer) => {
-                let c = &self.counters;
-                let started = Instant::now();
-                let data = answer.recv().map_err(|_| io_stopped())??;
-                c.io_wait_us
-                    .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
-                c.requests.fetch_add(1, Ordering::Relaxed);
-                c.disk_reads.fetch_add(1, Ordering::Relaxed);
-                c.disk_bytes.fetch_add(data.bytes as u64, Ordering::Relaxed);
-                self.insert(key, &data);
-                Ok(data)
+        let c = &self.counters;
+        let (read, prefetched) = match pending.0 {
+            PendingState::Ready(data) => return Ok(data),
+            PendingState::Reading(read) => (read, false),
+            PendingState::Prefetched(read) => (read, true),
+        };
+        let key = read.key();
+        let started = Instant::now();
+        let data = read.answer.recv().map_err(|_| io_stopped())?;
+        let waited = started.elapsed().as_micros() as u64;
+        c.io_wait_us.fetch_add(waited, Ordering::Relaxed);
+        self.layer_wait_us[key.layer].fetch_add(waited, Ordering::Relaxed);
+        let data = match (data, prefetched) {
+            (Ok(data), _) => data,
+            (Err(e), false) => return Err(e),
+            // The prefetch failed: read it again, as any request would.
+            (Err(_), true) => {
+                let read = self.submit(key, Priority::Demand);
+                return self.wait(Pending(PendingState::Reading(read)));
             }
-            PendingState::Prefetched(key, answer) => {
-                // The read was a prefetch's: a hit that arrived late (its wait is IO wait).
-                let c = &self.counters;
-                let started = Instant::now();
-                let data = answer.recv().map_err(|_| io_stopped())?;
-                c.io_wait_us
-                    .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
-                let data = match data {
-                    Ok(data) => data,
-                    // The prefetch failed: read it again, as any request would.
-                    Err(_) => {
-                        let (reply, answer) = flume::bounded(1);
-                        self.jobs.send((key, reply)).map_err(|_| io_stopped())?;
-                        return self.wait(Pending(PendingState::Reading(key, answer)));
-                    }
-                };
-                c.prefetch_bytes
-                    .fetch_add(data.bytes as u64, Ordering::Relaxed);
-                c.requests.fetch_add(1, Ordering::Relaxed);
-                c.ram_hits.fetch_add(1, Ordering::Relaxed);
-                c.prefetch_used.fetch_add(1, Ordering::Relaxed);
-                self.insert(key, &data);
-                Ok(data)
-            }
-        }
-    }
-
-    /// Caches `data` within the budget, evicting the least recently used experts.
-    fn insert(&self, key: ExpertKey, data: &Arc<ExpertData>) {
-        self.insert_with(key, data, false);
-    }
-
-    /// Caches `data`, evicting the least recently used experts, never pinned ones and, for a
-    /// `prefetched` expert, never one the current layer asked for. False when it was not cached.
-    fn insert_with(&self, key: ExpertKey, data: &Arc<ExpertData>, prefetched: bool) -> bool {
-        let bytes = data.bytes as u64;
-        if bytes > self.budget {
-            return false;
+        };
+        c.requests.fetch_add(1, Ordering::Relaxed);
+        if prefetched {
+            // A guess still being read when the layer asked: a hit that arrived late.
+            c.prefetch_bytes
+                .fetch_add(data.bytes as u64, Ordering::Relaxed);
+            c.ram_hits.fetch_add(1, Ordering::Relaxed);
+            c.prefetch_used.fetch_add(1, Ordering::Relaxed);
+        } else {
+            c.disk_reads.fetch_add(1, Ordering::Relaxed);
+            c.disk_bytes.fetch_add(data.bytes as u64, Ordering::Relaxed);
         }
         let mut lru = self.cache.lock().unwrap();
-        if lru.entries.contains_key(&key) {
-            return true; // another fetch read it meanwhile
+        self.insert_locked(&mut lru, key, &data);
+        Ok(data)
+    }
+
+    /// Caches `data` within the budget, evicting the least recently used experts (never pinned
+    /// ones); an expert that would evict only pinned ones is not cached.
+    fn insert_locked(&self, lru: &mut Lru, key: ExpertKey, data: &Arc<ExpertData>) {
+        let bytes = data.bytes as u64;
+        if bytes > self.budget || lru.entries.contains_key(&key) {
+            return; // too large, or another fetch read it meanwhile
         }
-        let protect_since = if prefetched {
-            lru.protect_since
-        } else {
-            u64::MAX
-        };
         while lru.bytes + bytes > self.budget {
             let pinned = &lru.pinned;
             let Some((&victim, _)) = lru
                 .entries
                 .iter()
-                .filter(|(key, (_, used))| !pinned.contains(key) && *used < protect_since)
+                .filter(|(key, _)| !pinned.contains(key))
                 .min_by_key(|(_, (_, used))| *used)
             else {
-                return false; // only pinned or protected experts left: do not cache this one
+                return;
             };
             if let Some((old, _)) = lru.entries.remove(&victim) {
                 lru.bytes -= old.bytes as u64;
                 self.counters.evictions.fetch_add(1, Ordering::Relaxed);
-                if lru.unused.remove(&victim) {
-                    self.counters
-                        .prefetch_wasted_bytes
-                        .fetch_add(old.bytes as u64, Ordering::Relaxed);
-                }
             }
         }
         lru.clock += 1;
         let now = lru.clock;
         lru.entries.insert(key, (data.clone(), now));
         lru.bytes += bytes;
-        true
+    }
+
+    /// Milliseconds each layer has waited for its expert reads.
+    pub fn layer_wait_ms(&self) -> Vec<f64> {
+        (self.layer_wait_us.iter())
+            .map(|us| us.load(Ordering::Relaxed) as f64 / 1000.0)
+            .collect()
+    }
+
+    /// Threads reading experts (the reads in flight at most) and the largest read each makes.
+    pub fn read_shape(&self) -> (usize, usize) {
+        (self.reader.threads, self.reader.chunk_bytes)
+    }
+
+    /// Prefetched experts the staging area holds at most (arrived or in flight), beside the
+    /// budget.
+    pub fn staging_experts(&self) -> usize {
+        self.staging
     }
 
     /// Experts pinned at start-up.
