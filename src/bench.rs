@@ -108,7 +108,8 @@ pub struct BenchRun {
     pub vram_hit_rate: Option<f64>,
     /// RAM hits / expert requests in the decode phase (null when no expert was requested).
     pub ram_hit_rate: Option<f64>,
-    /// Bytes read from disk per decoded token: reads requests waited for plus prefetch reads.
+    /// Bytes read from disk per decoded token: reads requests waited for plus prefetch reads,
+    /// the chunks read of cancelled guesses included.
     pub disk_bytes_per_token: f64,
     /// Of which prefetch reads.
     pub prefetch_bytes_per_token: f64,
@@ -601,7 +602,14 @@ pub fn run_bench(
                 / (out.prefill_ms.max(1e-6) / 1000.0),
             decode_tokens_per_s,
             ram_hit_rate: rate(decode.ram_hits),
-            disk_bytes_per_token: (decode.disk_bytes + decode.prefetch.bytes) as f64 / decoded,
+            // What the IO threads read, cancelled guesses' chunks included; a mapped store's
+            // reads fault pages in instead and count as whole experts.
+            disk_bytes_per_token: decode
+                .reads
+                .bytes
+                .max(decode.disk_bytes + decode.prefetch.bytes)
+                as f64
+                / decoded,
             io_wait_share: if out.decode_ms > 0.0 {
                 decode.io_wait_ms / out.decode_ms
             } else {

@@ -788,6 +788,7 @@ fn run(cli: Cli) -> Result<()> {
                             "io_threads": loaded.experts.read_shape().0,
                             "chunk_bytes": loaded.experts.read_shape().1,
                             "chunks": experts.reads.chunks,
+                            "bytes": experts.reads.bytes,
                             "queue_depth": experts.reads.mean_depth(),
                             "bytes_in_flight": experts.reads.mean_bytes_in_flight(),
                             "layer_wait_ms": loaded.experts.layer_wait_ms(),

@@ -177,11 +177,12 @@ pub struct ExpertStats {
     pub reads: ReadStats,
 }
 
-/// What the IO threads did: chunks read, and the reads and bytes in flight each chunk saw when
-/// it started (summed, itself included).
+/// What the IO threads did: chunks and bytes read (cancelled reads' included), and the reads
+/// and bytes in flight each chunk saw when it started (summed, itself included).
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct ReadStats {
     pub chunks: u64,
+    pub bytes: u64,
     pub depth_sum: u64,
     pub bytes_in_flight_sum: u64,
 }
@@ -200,6 +201,7 @@ impl ReadStats {
     fn since(&self, earlier: &ReadStats) -> ReadStats {
         ReadStats {
             chunks: self.chunks - earlier.chunks,
+            bytes: self.bytes - earlier.bytes,
             depth_sum: self.depth_sum - earlier.depth_sum,
             bytes_in_flight_sum: self.bytes_in_flight_sum - earlier.bytes_in_flight_sum,
         }
@@ -221,7 +223,7 @@ pub struct PrefetchStats {
     pub staged_hits: u64,
     /// Guesses not read for want of staging room.
     pub skipped: u64,
-    /// Queued guesses cancelled once the layer chose otherwise.
+    /// Guesses still being read, cancelled once the layer chose otherwise.
     pub cancelled: u64,
 }
 
@@ -1042,6 +1044,7 @@ impl ExpertStore {
                 let r = &self.reader.counters;
                 ReadStats {
                     chunks: r.chunks.load(Ordering::Relaxed),
+                    bytes: r.bytes.load(Ordering::Relaxed),
                     depth_sum: r.depth_sum.load(Ordering::Relaxed),
                     bytes_in_flight_sum: r.bytes_in_flight_sum.load(Ordering::Relaxed),
                 }
@@ -1156,8 +1159,7 @@ impl ExpertStore {
     }
 
     /// Forgets the guesses for `layer` that its routing did not choose: staged ones are dropped
-    /// (wasted), queued reads cancelled (reads already started arrive and wait for the layer's
-    /// next turn).
+    /// (wasted), reads under way cancelled (the chunks not yet started are never read).
     fn drop_wrong_guesses(&self, layer: usize, chosen: &[usize]) {
         let mut lru = self.cache.lock().unwrap();
         let wrong = |key: &ExpertKey| key.layer == layer && !chosen.contains(&key.expert);
@@ -1169,10 +1171,10 @@ impl ExpertStore {
                     .fetch_add(data.bytes as u64, Ordering::Relaxed);
             }
         }
-        let queued: Vec<ExpertKey> = lru.in_flight.keys().copied().filter(wrong).collect();
-        for key in queued {
-            if self.reader.cancel(&lru.in_flight[&key]) {
-                lru.in_flight.remove(&key);
+        let reading: Vec<ExpertKey> = lru.in_flight.keys().copied().filter(wrong).collect();
+        for key in reading {
+            if let Some(read) = lru.in_flight.remove(&key) {
+                self.reader.cancel(read);
                 self.counters
                     .prefetch_cancelled
                     .fetch_add(1, Ordering::Relaxed);

@@ -4,7 +4,7 @@
 //! only in the time demand leaves it.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::{ExpertData, ExpertKey, Shared, read_exact_at};
@@ -30,18 +30,15 @@ pub enum Priority {
     Prefetch,
 }
 
-const QUEUED: u8 = 0;
-const STARTED: u8 = 1;
-const CANCELLED: u8 = 2;
-
 /// The reply to one expert read.
 pub(super) type Answer = flume::Receiver<Result<Arc<ExpertData>>>;
 
 /// One expert being read: its buffer, filled by chunks in any order, and who gets it.
 struct Assembly {
     key: ExpertKey,
-    /// QUEUED until a thread takes its first chunk; CANCELLED only from QUEUED.
-    state: AtomicU8,
+    /// Set when nobody wants the expert any more: its queued chunks are dropped, those being
+    /// read finish, and nothing is delivered.
+    cancelled: AtomicBool,
     target: Target,
     /// Chunks not yet read.
     left: AtomicUsize,
@@ -92,6 +89,8 @@ struct Jobs {
 #[derive(Debug, Default)]
 pub(super) struct ReadCounters {
     pub chunks: AtomicU64,
+    /// Bytes the chunks read (cancelled reads' included).
+    pub bytes: AtomicU64,
     pub depth_sum: AtomicU64,
     pub bytes_in_flight_sum: AtomicU64,
     in_flight: AtomicU64,
@@ -174,7 +173,7 @@ impl Reader {
         };
         let assembly = Arc::new(Assembly {
             key,
-            state: AtomicU8::new(QUEUED),
+            cancelled: AtomicBool::new(false),
             target: Target {
                 pool: self.pool.clone(),
                 pages: plan.pages,
@@ -213,20 +212,21 @@ impl Reader {
         demand.extend(mine);
     }
 
-    /// Drops a read no thread has started (true), else leaves it to finish (false).
-    pub fn cancel(&self, handle: &ReadHandle) -> bool {
-        let mut jobs = self.queue.jobs.lock().unwrap();
-        let cancelled = handle
-            .assembly
-            .state
-            .compare_exchange(QUEUED, CANCELLED, Ordering::SeqCst, Ordering::SeqCst)
-            .is_ok();
-        if cancelled {
-            let mine = |c: &Chunk| Arc::ptr_eq(&c.assembly, &handle.assembly);
+    /// Gives up a read: its chunks still queued are dropped (those being read finish) and it
+    /// delivers nothing.
+    pub fn cancel(&self, handle: ReadHandle) {
+        let assembly = &handle.assembly;
+        assembly.cancelled.store(true, Ordering::SeqCst);
+        let removed = {
+            let mut jobs = self.queue.jobs.lock().unwrap();
+            let before = jobs.demand.len() + jobs.prefetch.len();
+            let mine = |c: &Chunk| Arc::ptr_eq(&c.assembly, assembly);
             jobs.prefetch.retain(|c| !mine(c));
             jobs.demand.retain(|c| !mine(c));
-        }
-        cancelled
+            before - jobs.demand.len() - jobs.prefetch.len()
+        };
+        // The chunks dropped count as done; whoever finishes the last one delivers nothing.
+        assembly.left.fetch_sub(removed, Ordering::AcqRel);
     }
 }
 
@@ -250,7 +250,6 @@ impl Queue {
                 .pop_front()
                 .or_else(|| jobs.prefetch.pop_front())
             {
-                chunk.assembly.state.store(STARTED, Ordering::SeqCst);
                 return Some(chunk);
             }
             jobs = self.ready.wait(jobs).unwrap();
@@ -280,6 +279,7 @@ impl Chunk {
                 .fetch_add(s.len as u64, Ordering::Relaxed)
                 + s.len as u64;
             counters.chunks.fetch_add(1, Ordering::Relaxed);
+            counters.bytes.fetch_add(s.len as u64, Ordering::Relaxed);
             counters.depth_sum.fetch_add(depth, Ordering::Relaxed);
             counters
                 .bytes_in_flight_sum
@@ -299,7 +299,9 @@ impl Chunk {
                 .bytes_in_flight
                 .fetch_sub(s.len as u64, Ordering::Relaxed);
         }
-        if assembly.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+        if assembly.left.fetch_sub(1, Ordering::AcqRel) == 1
+            && !assembly.cancelled.load(Ordering::SeqCst)
+        {
             let buffer = {
                 // A mapped expert (no chunk read) still gets its (empty) buffer here.
                 assembly.target.base();
