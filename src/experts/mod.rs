@@ -396,11 +396,10 @@ fn coalesce(parts: &[Part]) -> Vec<Part> {
 }
 
 /// How one expert is read: the runs of its bytes in the files, in order, into a buffer of
-/// `pages` pages (`mapped`: no copy, the expert is viewed in the mapped files).
+/// `pages` pages (none for a mapped store, whose experts are viewed where they lie).
 struct ReadPlan {
     segments: Vec<reader::Segment>,
     pages: usize,
-    mapped: bool,
 }
 
 impl Shared {
@@ -409,7 +408,6 @@ impl Shared {
             return ReadPlan {
                 segments: Vec::new(),
                 pages: 0,
-                mapped: true,
             };
         }
         let reads = coalesce(&self.parts(key.layer));
@@ -434,7 +432,6 @@ impl Shared {
         ReadPlan {
             segments,
             pages: dest.div_ceil(4096),
-            mapped: false,
         }
     }
 
@@ -460,7 +457,14 @@ impl Shared {
                 down,
             });
         }
-        let total: usize = self.parts(key.layer).iter().map(|p| p.len).sum();
+        let parts = self.parts(key.layer);
+        if self.direct && coalesce(&parts).len() != 1 {
+            // Each run is padded to whole pages, so views would not find their bytes.
+            return Err(Error::Unsupported(
+                "--direct-io reads converted expert stores, one run of bytes per expert".into(),
+            ));
+        }
+        let total: usize = parts.iter().map(|p| p.len).sum();
         if let Some(records) = &self.records {
             // A converted store's record is one read, from its start.
             records.check(key, Some(buffer.bytes()))?;
@@ -1173,11 +1177,24 @@ impl ExpertStore {
         }
         let reading: Vec<ExpertKey> = lru.in_flight.keys().copied().filter(wrong).collect();
         for key in reading {
-            if let Some(read) = lru.in_flight.remove(&key) {
-                self.reader.cancel(read);
-                self.counters
-                    .prefetch_cancelled
-                    .fetch_add(1, Ordering::Relaxed);
+            let Some(read) = lru.in_flight.remove(&key) else {
+                continue;
+            };
+            match read.answer.try_recv() {
+                // Arrived since the staged ones were collected: read whole, and wasted.
+                Ok(Ok(data)) => {
+                    let c = &self.counters;
+                    c.prefetch_bytes
+                        .fetch_add(data.bytes as u64, Ordering::Relaxed);
+                    c.prefetch_wasted_bytes
+                        .fetch_add(data.bytes as u64, Ordering::Relaxed);
+                }
+                _ => {
+                    self.reader.cancel(read);
+                    self.counters
+                        .prefetch_cancelled
+                        .fetch_add(1, Ordering::Relaxed);
+                }
             }
         }
     }

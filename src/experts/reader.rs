@@ -144,7 +144,16 @@ impl Reader {
                 .name(format!("picchio-io-{n}"))
                 .spawn(move || {
                     while let Some(chunk) = queue.next() {
-                        chunk.run(&shared, &counters);
+                        // A chunk that panics never completes its expert: its waiter gets an
+                        // error instead of waiting forever (the handle keeps the reply open).
+                        let assembly = chunk.assembly.clone();
+                        let run = std::panic::AssertUnwindSafe(|| chunk.run(&shared, &counters));
+                        if std::panic::catch_unwind(run).is_err() {
+                            let failed = std::io::Error::other("an IO thread panicked");
+                            let _ = assembly
+                                .reply
+                                .try_send(Err(Error::io("expert read", failed)));
+                        }
                     }
                 })
                 .map_err(|e| Error::io("IO thread", e))?;
@@ -162,15 +171,14 @@ impl Reader {
     pub fn submit(&self, shared: &Shared, key: ExpertKey, priority: Priority) -> ReadHandle {
         let (reply, answer) = flume::bounded(1);
         let plan = shared.plan(key);
-        let segments: Vec<Option<Segment>> = if plan.mapped {
-            vec![None]
-        } else {
-            plan.segments
-                .iter()
-                .flat_map(|s| split(*s, self.chunk_bytes))
-                .map(Some)
-                .collect()
-        };
+        let mut segments: Vec<Option<Segment>> = (plan.segments.iter())
+            .flat_map(|s| split(*s, self.chunk_bytes))
+            .map(Some)
+            .collect();
+        if segments.is_empty() {
+            // A mapped expert (or one of no bytes): one job that finishes it.
+            segments.push(None);
+        }
         let assembly = Arc::new(Assembly {
             key,
             cancelled: AtomicBool::new(false),
@@ -272,7 +280,9 @@ pub(super) fn split(segment: Segment, chunk_bytes: usize) -> impl Iterator<Item 
 impl Chunk {
     fn run(self, shared: &Shared, counters: &ReadCounters) {
         let assembly = &self.assembly;
-        if let Some(s) = self.segment {
+        // A chunk taken just before its expert was cancelled is not read.
+        let wanted = !assembly.cancelled.load(Ordering::SeqCst);
+        if let Some(s) = self.segment.filter(|_| wanted) {
             let depth = counters.in_flight.fetch_add(1, Ordering::Relaxed) + 1;
             let bytes = counters
                 .bytes_in_flight

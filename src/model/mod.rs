@@ -368,7 +368,10 @@ impl Model {
             rope,
             layer_specs,
             timings: CpuTimings::default(),
-            prefetch: options.prefetch,
+            prefetch: PrefetchOptions {
+                distance: options.prefetch.distance.clamp(1, MAX_PREFETCH_DISTANCE),
+                ..options.prefetch
+            },
             q8,
             expert_activations: options.expert_activations,
             weights_in_memory,
