@@ -192,7 +192,7 @@ pub struct BenchRun {
     pub profile: Option<Vec<KernelRow>>,
     /// `--direct-io` runs: the store's read bandwidth measured just before and just after this
     /// run (the better of the two), reading random expert records as the engine does: at the
-    /// engine's queue depth (`io_threads`) and at the best depth of a sweep before the first run.
+    /// engine's queue depth (`io_threads`) and at the best depth of a sweep before the first run's timing.
     pub disk_bandwidth_bytes_per_s: Option<f64>,
     pub disk_bandwidth_at_io_threads_bytes_per_s: Option<f64>,
     pub disk_best_depth: Option<usize>,
@@ -400,11 +400,8 @@ pub fn run_bench(
     } else {
         None
     };
-    let best_depth = if options.direct_io && options.backend == BackendChoice::Cpu {
-        Some(best_disk_depth(options)?)
-    } else {
-        None
-    };
+    // The disk's best queue depth, from a sweep over the first run's store.
+    let mut best_depth: Option<usize> = None;
     let mut runs = Vec::new();
     for (done, &(vram_budget, budget, prefetch)) in configurations.iter().enumerate() {
         let peak_is_this_runs = reset_peak_rss();
@@ -422,8 +419,8 @@ pub fn run_bench(
                     enabled: prefetch,
                     proxy: options.prefetch_proxy,
                     distance: options.prefetch_distance,
-                    // Guesses scored at every distance: the cost of two more router
-                    // products per layer, small beside a token's.
+                    // Guesses scored at every distance: a few more router products per
+                    // layer, small beside a token's.
                     measure_accuracy: prefetch,
                 },
                 ..Default::default()
@@ -458,6 +455,9 @@ pub fn run_bench(
         let mut marks: Vec<ExpertStats> = Vec::new();
         let mut gpu_marks: Vec<Option<GpuCounters>> = Vec::new();
         let mut times: Vec<(f64, f64, f64)> = vec![model.timings.millis()];
+        if options.direct_io && options.backend == BackendChoice::Cpu && best_depth.is_none() {
+            best_depth = Some(best_disk_depth(&model)?);
+        }
         let disk_before = match best_depth {
             Some(best) => Some(probe_disk(&model, best, false)?),
             None => None,
@@ -477,10 +477,7 @@ pub fn run_bench(
         log::debug!("run took {:.1} s", started.elapsed().as_secs_f64());
         // The better of before and after: what the disk could give in those minutes.
         let disk = match (disk_before, best_depth) {
-            (Some(before), Some(best)) => {
-                let after = probe_disk(&model, best, true)?;
-                Some((before.0.max(after.0), before.1.max(after.1)))
-            }
+            (Some(before), Some(best)) => Some(before.better(&probe_disk(&model, best, true)?)),
             _ => None,
         };
         let on_gpu = session.gpu().is_some();
@@ -578,7 +575,7 @@ pub fn run_bench(
             0.0
         };
         let disk_bound_s_per_token =
-            disk.map(|d| (missed_bytes_per_token / d.1).max(compute_s_per_token));
+            disk.map(|d| (missed_bytes_per_token / d.best).max(compute_s_per_token));
         let rate = |hits: u64| (decode.requests > 0).then(|| hits as f64 / decode.requests as f64);
         let proxy = model.prefetch_proxy_on(&backend);
         let prefetch_accuracy = model.prediction_accuracy(proxy);
@@ -636,8 +633,8 @@ pub fn run_bench(
                 None => None,
             },
             roofline_fraction: limit.map(|b| achieved_bytes_per_s / b),
-            disk_bandwidth_bytes_per_s: disk.map(|d| d.1),
-            disk_bandwidth_at_io_threads_bytes_per_s: disk.map(|d| d.0),
+            disk_bandwidth_bytes_per_s: disk.map(|d| d.best),
+            disk_bandwidth_at_io_threads_bytes_per_s: disk.map(|d| d.at_io_threads),
             disk_best_depth: best_depth,
             io_threads,
             read_chunk_bytes,
@@ -709,30 +706,21 @@ const DISK_PROBE_RECORDS: usize = 96;
 /// Queue depths the disk sweep tries.
 const DISK_DEPTHS: [usize; 6] = [1, 2, 4, 8, 16, 32];
 
-/// The queue depth at which the store's disk reads fastest now, from a sweep over a model
-/// loaded for it (logged per depth).
-fn best_disk_depth(options: &BenchOptions) -> Result<usize> {
-    let model = Model::load_with(
-        &options.model,
-        &ModelOptions {
-            ram_budget: RamBudget::Bytes(0),
-            direct_io: true,
-            ..Default::default()
-        },
-    )?;
+/// The queue depth at which `model`'s store reads fastest now, from a sweep (logged per depth).
+fn best_disk_depth(model: &Model) -> Result<usize> {
     let store = &model.experts;
     let (_, chunk) = store.read_shape();
     let mut best = (0.0, 1);
     for depth in DISK_DEPTHS {
         let keys = store.random_keys(DISK_PROBE_RECORDS, fresh_seed());
-        let b = store.measure_read_bandwidth(depth, chunk, &keys)?;
+        let rate = store.measure_read_bandwidth(depth, chunk, &keys)?;
         log::info!(
             "disk read bandwidth at depth {depth}: {:.2} GB/s ({} KiB reads)",
-            b.bytes_per_s / 1e9,
+            rate / 1e9,
             chunk >> 10
         );
-        if b.bytes_per_s > best.0 {
-            best = (b.bytes_per_s, depth);
+        if rate > best.0 {
+            best = (rate, depth);
         }
     }
     Ok(best.1)
@@ -746,30 +734,51 @@ fn fresh_seed() -> u64 {
         .map_or(1, |d| d.as_nanos() as u64)
 }
 
-/// The store's read bandwidth now: (at the engine's IO threads, at the better of those and
-/// `best_depth`). Before a run, over records picked at random; after it, over records picked
-/// as often as the run read them, so that a cache below the OS serving the records a decode
-/// rereads helps the measurement as much as the decode.
-fn probe_disk(model: &Model, best_depth: usize, after_run: bool) -> Result<(f64, f64)> {
+/// The store's read bandwidth at one moment, bytes per second.
+#[derive(Debug, Clone, Copy)]
+struct DiskRates {
+    /// With the engine's IO threads.
+    at_io_threads: f64,
+    /// At the sweep's best depth, or with the IO threads where that was faster.
+    best: f64,
+}
+
+impl DiskRates {
+    /// Each rate the better of `self`'s and `other`'s.
+    fn better(&self, other: &DiskRates) -> DiskRates {
+        DiskRates {
+            at_io_threads: self.at_io_threads.max(other.at_io_threads),
+            best: self.best.max(other.best),
+        }
+    }
+}
+
+/// The store's read bandwidth now. Before a run, over records picked at random; after it, over
+/// records picked as often as the run read them, so that a cache below the OS serving the
+/// records a decode rereads helps the measurement as much as the decode.
+fn probe_disk(model: &Model, best_depth: usize, after_run: bool) -> Result<DiskRates> {
     let store = &model.experts;
     let (threads, chunk) = store.read_shape();
     let keys = || match after_run {
         true => store.keys_as_read(DISK_PROBE_RECORDS, fresh_seed()),
         false => store.random_keys(DISK_PROBE_RECORDS, fresh_seed()),
     };
-    let engine = store.measure_read_bandwidth(threads, chunk, &keys())?;
-    let best = store.measure_read_bandwidth(best_depth, chunk, &keys())?;
+    let at_io_threads = store.measure_read_bandwidth(threads, chunk, &keys())?;
+    let at_best_depth = store.measure_read_bandwidth(best_depth, chunk, &keys())?;
     log::info!(
-        "disk read bandwidth ({} records): {:.2} GB/s at {threads} threads, {:.2} GB/s at depth {best_depth}",
+        "disk read bandwidth ({}): {:.2} GB/s at {threads} threads, {:.2} GB/s at depth {best_depth}",
         if after_run {
-            "as the run read them"
+            "records as the run read them"
         } else {
-            "at random"
+            "records at random"
         },
-        engine.bytes_per_s / 1e9,
-        best.bytes_per_s / 1e9
+        at_io_threads / 1e9,
+        at_best_depth / 1e9
     );
-    Ok((engine.bytes_per_s, best.bytes_per_s.max(engine.bytes_per_s)))
+    Ok(DiskRates {
+        at_io_threads,
+        best: at_best_depth.max(at_io_threads),
+    })
 }
 
 /// The prompt decoded again in a session whose every kernel is timed: the decode's per-kernel

@@ -24,6 +24,7 @@ pub mod formats;
 pub mod gpu;
 pub mod model;
 pub mod pages;
+pub mod random;
 pub mod serve;
 pub mod synth;
 pub mod weights;

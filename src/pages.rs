@@ -47,7 +47,7 @@ impl PagePool {
         };
         PageBuffer {
             pages: reused.unwrap_or_else(|| vec![Page([0; 4096]); pages]),
-            home: Some(self.clone()),
+            home: self.clone(),
         }
     }
 
@@ -60,15 +60,10 @@ impl PagePool {
 /// Pages that go back to their pool when dropped.
 pub struct PageBuffer {
     pages: Vec<Page>,
-    home: Option<Arc<PagePool>>,
+    home: Arc<PagePool>,
 }
 
 impl PageBuffer {
-    /// A buffer of its own (no pool).
-    pub fn unpooled(pages: Vec<Page>) -> PageBuffer {
-        PageBuffer { pages, home: None }
-    }
-
     pub fn bytes(&self) -> &[u8] {
         page_bytes(&self.pages)
     }
@@ -85,11 +80,9 @@ impl PageBuffer {
 
 impl Drop for PageBuffer {
     fn drop(&mut self) {
-        if let Some(pool) = self.home.take() {
-            let mut free = pool.free.lock().unwrap();
-            if free.len() < pool.keep {
-                free.push(std::mem::take(&mut self.pages));
-            }
+        let mut free = self.home.free.lock().unwrap();
+        if free.len() < self.home.keep {
+            free.push(std::mem::take(&mut self.pages));
         }
     }
 }

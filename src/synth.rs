@@ -15,6 +15,7 @@ use rayon::prelude::*;
 use crate::arch::gpt_oss;
 use crate::config::Config;
 use crate::error::{Error, Result};
+use crate::random::splitmix64;
 
 /// Checkpoint shapes `synth` knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -189,16 +190,8 @@ fn shard(tensors: &[Planned], limit: u64) -> Vec<Vec<Planned>> {
     shards
 }
 
-/// SplitMix64: a fast, well-mixed generator; each 1 MiB block of a tensor gets its own stream,
-/// so blocks are generated in parallel and the output depends only on the seed.
-fn splitmix(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
+/// Each 1 MiB block of a tensor gets its own SplitMix64 stream, so blocks are generated in
+/// parallel and the output depends only on the seed.
 const BLOCK: usize = 1 << 20;
 
 fn fill(content: Content, seed: u64, out: &mut [u8]) {
@@ -209,17 +202,17 @@ fn fill(content: Content, seed: u64, out: &mut [u8]) {
             .for_each(|b| b.copy_from_slice(&0x3F80u16.to_le_bytes())),
         Content::Zeros => out.fill(0),
         Content::RandomBytes => out.chunks_mut(8).for_each(|b| {
-            let r = splitmix(&mut state).to_le_bytes();
+            let r = splitmix64(&mut state).to_le_bytes();
             b.copy_from_slice(&r[..b.len()]);
         }),
         Content::Scales => out.chunks_mut(8).for_each(|b| {
-            let r = splitmix(&mut state).to_le_bytes();
+            let r = splitmix64(&mut state).to_le_bytes();
             for (byte, random) in b.iter_mut().zip(r) {
                 *byte = 118 + random % 4;
             }
         }),
         Content::Weights => out.chunks_mut(8).for_each(|b| {
-            let r = splitmix(&mut state);
+            let r = splitmix64(&mut state);
             for (k, pair) in b.chunks_exact_mut(2).enumerate() {
                 // Uniform on [-a, a] with a = 0.02 * sqrt(3): standard deviation 0.02.
                 let unit = ((r >> (16 * k)) & 0xFFFF) as f32 / 65535.0;

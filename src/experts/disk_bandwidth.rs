@@ -8,25 +8,16 @@ use std::time::Instant;
 use super::reader::{Segment, split};
 use super::{ExpertKey, ExpertStore, read_exact_at};
 use crate::error::{Error, Result};
-use crate::pages::PageBuffer;
-
-/// One measurement.
-#[derive(Debug, Clone, Copy, serde::Serialize)]
-pub struct DiskBandwidth {
-    pub bytes_per_s: f64,
-    /// Reads in flight (threads).
-    pub depth: usize,
-    pub chunk_bytes: usize,
-    pub bytes: u64,
-}
+use crate::pages::{Page, page_bytes_mut};
+use crate::random::splitmix64;
 
 impl ExpertStore {
     /// `records` experts picked uniformly at random (from `seed`).
     pub fn random_keys(&self, records: usize, seed: u64) -> Vec<ExpertKey> {
-        let mut random = Xorshift(seed | 1);
+        let mut state = seed;
         let total = self.disk_reads_by_key.len().max(1) as u64;
         (0..records)
-            .map(|_| self.key_of((random.next() % total) as usize))
+            .map(|_| self.key_of((splitmix64(&mut state) % total) as usize))
             .collect()
     }
 
@@ -40,10 +31,10 @@ impl ExpertStore {
         if total == 0 {
             return self.random_keys(records, seed);
         }
-        let mut random = Xorshift(seed | 1);
+        let mut state = seed;
         (0..records)
             .map(|_| {
-                let mut pick = random.next() % total;
+                let mut pick = splitmix64(&mut state) % total;
                 let r = counts
                     .iter()
                     .position(|&c| {
@@ -66,14 +57,14 @@ impl ExpertStore {
     }
 
     /// Reads the records of `keys` with `depth` threads, each read at most `chunk_bytes`, and
-    /// returns the rate. Meaningful where reads bypass the page cache (`--direct-io`):
-    /// otherwise experts read before come from memory.
+    /// returns the rate in bytes per second. Meaningful where reads bypass the page cache
+    /// (`--direct-io`): otherwise experts read before come from memory.
     pub fn measure_read_bandwidth(
         &self,
         depth: usize,
         chunk_bytes: usize,
         keys: &[ExpertKey],
-    ) -> Result<DiskBandwidth> {
+    ) -> Result<f64> {
         let chunks: Vec<Segment> = keys
             .iter()
             .flat_map(|&key| self.shared.plan(key).segments)
@@ -86,14 +77,15 @@ impl ExpertStore {
             let workers: Vec<_> = (0..depth.max(1))
                 .map(|_| {
                     scope.spawn(|| -> Result<()> {
-                        let mut buffer = PageBuffer::unpooled(vec![
-                            crate::pages::Page([0; 4096]);
-                            largest.div_ceil(4096)
-                        ]);
+                        let mut buffer = vec![Page([0; 4096]); largest.div_ceil(4096)];
                         while let Some(c) = chunks.get(next.fetch_add(1, Ordering::Relaxed)) {
                             let (path, file) = &self.shared.files[c.file];
-                            read_exact_at(file, &mut buffer.bytes_mut()[..c.len], c.offset)
-                                .map_err(|e| Error::io(path, e))?;
+                            read_exact_at(
+                                file,
+                                &mut page_bytes_mut(&mut buffer)[..c.len],
+                                c.offset,
+                            )
+                            .map_err(|e| Error::io(path, e))?;
                         }
                         Ok(())
                     })
@@ -104,23 +96,6 @@ impl ExpertStore {
                 .try_for_each(|w| w.join().expect("a bandwidth reader panicked"))
         })?;
         let bytes: u64 = chunks.iter().map(|c| c.len as u64).sum();
-        Ok(DiskBandwidth {
-            bytes_per_s: bytes as f64 / started.elapsed().as_secs_f64().max(1e-9),
-            depth: depth.max(1),
-            chunk_bytes,
-            bytes,
-        })
-    }
-}
-
-/// xorshift64: a spread of records, different for each seed.
-struct Xorshift(u64);
-
-impl Xorshift {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
+        Ok(bytes as f64 / started.elapsed().as_secs_f64().max(1e-9))
     }
 }

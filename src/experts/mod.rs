@@ -9,8 +9,6 @@
 mod disk_bandwidth;
 mod reader;
 
-pub use disk_bandwidth::DiskBandwidth;
-
 pub use reader::Priority;
 use reader::{ReadHandle, Reader};
 
@@ -457,14 +455,7 @@ impl Shared {
                 down,
             });
         }
-        let parts = self.parts(key.layer);
-        if self.direct && coalesce(&parts).len() != 1 {
-            // Each run is padded to whole pages, so views would not find their bytes.
-            return Err(Error::Unsupported(
-                "--direct-io reads converted expert stores, one run of bytes per expert".into(),
-            ));
-        }
-        let total: usize = parts.iter().map(|p| p.len).sum();
+        let total: usize = self.parts(key.layer).iter().map(|p| p.len).sum();
         if let Some(records) = &self.records {
             // A converted store's record is one read, from its start.
             records.check(key, Some(buffer.bytes()))?;
@@ -883,7 +874,17 @@ impl ExpertStore {
                 };
                 (projection(index.gate_up), projection(index.down))
             })
-            .collect();
+            .collect::<Vec<_>>();
+        // `plan` pads each run of an O_DIRECT read to whole pages: the views find their bytes
+        // only where an expert is one run.
+        let one_run = |(gate_up, down): &(Projection, Projection)| {
+            coalesce(&[gate_up.parts(), down.parts()].concat()).len() == 1
+        };
+        if direct_io && !layers.iter().all(one_run) {
+            return Err(Error::Unsupported(
+                "--direct-io reads converted expert stores, one run of bytes per expert".into(),
+            ));
+        }
         Ok((vec![(path, file)], layers))
     }
 
@@ -1124,9 +1125,9 @@ impl ExpertStore {
             self.usage[layer * self.experts_per_layer + expert].fetch_add(1, Ordering::Relaxed);
         }
         let mut requests = Vec::with_capacity(experts.len());
-        self.collect_prefetched();
-        self.drop_wrong_guesses(layer, experts);
         let mut lru = self.cache.lock().unwrap();
+        self.collect_prefetched(&mut lru);
+        self.drop_wrong_guesses(&mut lru, layer, experts);
         for &expert in experts {
             let key = ExpertKey { layer, expert };
             lru.clock += 1;
@@ -1164,8 +1165,7 @@ impl ExpertStore {
 
     /// Forgets the guesses for `layer` that its routing did not choose: staged ones are dropped
     /// (wasted), reads under way cancelled (the chunks not yet started are never read).
-    fn drop_wrong_guesses(&self, layer: usize, chosen: &[usize]) {
-        let mut lru = self.cache.lock().unwrap();
+    fn drop_wrong_guesses(&self, lru: &mut Lru, layer: usize, chosen: &[usize]) {
         let wrong = |key: &ExpertKey| key.layer == layer && !chosen.contains(&key.expert);
         let staged: Vec<ExpertKey> = lru.staged.keys().copied().filter(wrong).collect();
         for key in staged {
@@ -1277,8 +1277,7 @@ impl ExpertStore {
 
     /// Moves prefetch reads that have arrived into the staging area (a failed one is forgotten:
     /// a request reads the expert itself and reports).
-    fn collect_prefetched(&self) {
-        let mut lru = self.cache.lock().unwrap();
+    fn collect_prefetched(&self, lru: &mut Lru) {
         let done: Vec<ExpertKey> = lru
             .in_flight
             .iter()

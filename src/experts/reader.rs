@@ -67,6 +67,12 @@ impl Target {
     fn len(&self) -> usize {
         self.pages * 4096
     }
+
+    /// The filled buffer (an empty one from the pool where no chunk read: a mapped expert).
+    fn take(&self) -> PageBuffer {
+        let taken = self.buffer.lock().unwrap().take();
+        taken.unwrap_or_else(|| self.pool.take(self.pages))
+    }
 }
 
 /// One positioned read into an assembly's buffer (`segment: None`: the expert is mapped, and
@@ -312,16 +318,10 @@ impl Chunk {
         if assembly.left.fetch_sub(1, Ordering::AcqRel) == 1
             && !assembly.cancelled.load(Ordering::SeqCst)
         {
-            let buffer = {
-                // A mapped expert (no chunk read) still gets its (empty) buffer here.
-                assembly.target.base();
-                assembly.target.buffer.lock().unwrap().take()
-            };
             let failure = assembly.failure.lock().unwrap().take();
-            let data = match (failure, buffer) {
-                (Some(e), _) => Err(e),
-                (None, Some(buffer)) => shared.finish(assembly.key, buffer).map(Arc::new),
-                (None, None) => unreachable!("the last chunk takes the buffer once"),
+            let data = match failure {
+                Some(e) => Err(e),
+                None => (shared.finish(assembly.key, assembly.target.take())).map(Arc::new),
             };
             let _ = assembly.reply.send(data);
         }

@@ -2,6 +2,7 @@
 //! reading experts through the RAM/disk expert store and guessing (and prefetching) the next
 //! layer's experts while a layer's are computed.
 
+use std::borrow::Cow;
 use std::sync::Mutex;
 
 use rayon::prelude::*;
@@ -427,7 +428,7 @@ impl CpuTier<'_> {
         for g in now {
             model.score_prediction(g.proxy, g.distance, &g.experts, routings);
         }
-        self.guess(PrefetchProxy::A, layer, |_| Ok(x.to_vec()))
+        self.guess(PrefetchProxy::A, layer, |_| Cow::Borrowed(x))
     }
 
     /// Proxy B: the residual after this layer's experts, normalized as each later layer will.
@@ -437,18 +438,18 @@ impl CpuTier<'_> {
             let mut proxy = vec![0f32; hidden.len()];
             let norm = &model.weights.layers[target].post_attention_norm;
             rms_norm(hidden, norm, model.config.rms_norm_eps, &mut proxy);
-            Ok(proxy)
+            Cow::Owned(proxy)
         })
     }
 
     /// Guesses the experts of the layers up to `which` proxy's distance after `layer`, each from
     /// `input(target)` through the target's router, and prefetches those within the prefetch
     /// distance when this proxy prefetches.
-    fn guess(
+    fn guess<'x>(
         &mut self,
         which: PrefetchProxy,
         layer: usize,
-        input: impl Fn(usize) -> Result<Vec<f32>>,
+        input: impl Fn(usize) -> Cow<'x, [f32]>,
     ) -> Result<()> {
         let model = self.model;
         let prefetches = model.prefetches_with(which);
@@ -458,7 +459,7 @@ impl CpuTier<'_> {
                 break;
             }
             let prefetch = prefetches && distance <= model.prefetch.distance;
-            let experts = model.predict_experts(target, &input(target)?, prefetch)?;
+            let experts = model.predict_experts(target, &input(target), prefetch)?;
             self.guesses.push(Guess {
                 proxy: which,
                 distance,

@@ -665,7 +665,7 @@ impl Model {
     /// prefetches, every scored distance where accuracy is measured, else not at all (0).
     pub fn guess_distance(&self, which: PrefetchProxy) -> usize {
         if self.prefetch.measure_accuracy {
-            MAX_PREFETCH_DISTANCE.max(self.prefetch.distance)
+            MAX_PREFETCH_DISTANCE
         } else if self.prefetches_with(which) {
             self.prefetch.distance
         } else {

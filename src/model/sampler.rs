@@ -125,14 +125,9 @@ impl Sampler {
         }
     }
 
-    /// A uniform number in [0, 1) (splitmix64).
+    /// A uniform number in [0, 1).
     fn uniform(&mut self) -> f64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
+        (crate::random::splitmix64(&mut self.state) >> 11) as f64 / (1u64 << 53) as f64
     }
 
     /// The next token after `logits`, `seen` being the tokens so far (for the repetition
