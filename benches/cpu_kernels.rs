@@ -186,7 +186,7 @@ fn attention(c: &mut Criterion) {
                         &q,
                         0..=positions - 1,
                         &head,
-                        &sinks,
+                        Some(&sinks),
                         scaling,
                         out,
                     );

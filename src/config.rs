@@ -1,14 +1,15 @@
-//! `config.json` of a GPT-OSS checkpoint, mirrored with serde.
+//! `config.json` of a checkpoint, mirrored with serde.
 //!
-//! Field names and defaults follow transformers' `GptOssConfig` (5.x), so a key that is absent
-//! means what it means to transformers. Every dimension the engine uses comes from here: 20B,
-//! 120B and tiny test models run the same code.
+//! Field names and defaults follow transformers' `GptOssConfig` and `Qwen3MoeConfig` (5.x), so a
+//! key that is absent means what it means to transformers. Every dimension the engine uses comes
+//! from here: 20B, 120B, 30B-A3B and tiny test models run the same code.
 
 use std::path::Path;
 
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
+use crate::arch::Family;
 use crate::error::{Error, Result};
 
 /// Upper bound on every dimension read from config.json (GPT-OSS-120B's largest is 201088).
@@ -75,6 +76,19 @@ pub struct RawConfig {
     pub eos_token_id: Option<TokenIds>,
     pub attention_bias: bool,
     pub quantization_config: Option<Value>,
+    /// Not a GPT-OSS key: set from Qwen3-MoE's config (`arch::qwen3_moe::RawConfig`).
+    #[serde(skip)]
+    pub norm_topk_prob: bool,
+}
+
+/// `model_type` of a config.json's text (None where absent or null).
+fn model_type_of(text: &str) -> serde_json::Result<Option<String>> {
+    #[derive(Deserialize)]
+    struct ModelType {
+        #[serde(default)]
+        model_type: Option<String>,
+    }
+    serde_json::from_str::<ModelType>(text).map(|m| m.model_type)
 }
 
 impl Default for RawConfig {
@@ -108,6 +122,7 @@ impl Default for RawConfig {
             eos_token_id: None,
             attention_bias: true,
             quantization_config: None,
+            norm_topk_prob: false,
         }
     }
 }
@@ -135,7 +150,9 @@ pub struct Rope {
 /// The resolved model configuration used by every tier.
 #[derive(Debug, Clone)]
 pub struct Config {
+    pub family: Family,
     pub hidden_size: usize,
+    /// Each expert's intermediate size (Qwen3-MoE's `moe_intermediate_size`).
     pub intermediate_size: usize,
     pub num_layers: usize,
     pub num_heads: usize,
@@ -157,6 +174,8 @@ pub struct Config {
     pub max_position_embeddings: usize,
     /// `quantization_config.quant_method`, when present (`"mxfp4"` for the published checkpoints).
     pub quant_method: Option<String>,
+    /// Whether the chosen experts' router probabilities are divided by their sum (Qwen3-MoE).
+    pub norm_topk_prob: bool,
 }
 
 impl Config {
@@ -208,21 +227,29 @@ impl Config {
             msg,
         };
         // serde_path_to_error names the offending key (e.g. `hidden_size: invalid type ...`).
+        let family = model_type_of(text)
+            .map_err(|e| fail(e.to_string()))
+            .and_then(|t| {
+                Family::from_model_type(t.as_deref()).ok_or_else(|| {
+                    fail(format!(
+                        "model_type is {:?}; picchio runs \"gpt_oss\" and \"qwen3_moe\" models",
+                        t.unwrap_or_default()
+                    ))
+                })
+            })?;
         let mut de = serde_json::Deserializer::from_str(text);
-        let raw: RawConfig =
-            serde_path_to_error::deserialize(&mut de).map_err(|e| fail(e.to_string()))?;
+        let raw = match family {
+            Family::GptOss => serde_path_to_error::deserialize::<_, RawConfig>(&mut de).map(Ok),
+            Family::Qwen3Moe => serde_path_to_error::deserialize(&mut de)
+                .map(|q: crate::arch::qwen3_moe::RawConfig| q.into_raw()),
+        }
+        .map_err(|e| fail(e.to_string()))?;
         de.end().map_err(|e| fail(e.to_string()))?;
-        Config::from_raw(raw).map_err(fail)
+        let raw = raw.map_err(fail)?;
+        Config::from_raw(raw, family).map_err(fail)
     }
 
-    fn from_raw(raw: RawConfig) -> std::result::Result<Config, String> {
-        if let Some(t) = &raw.model_type
-            && t != "gpt_oss"
-        {
-            return Err(format!(
-                "model_type is {t:?}; picchio runs \"gpt_oss\" models"
-            ));
-        }
+    fn from_raw(raw: RawConfig, family: Family) -> std::result::Result<Config, String> {
         let num_heads = raw.num_attention_heads;
         let num_kv_heads = raw.num_key_value_heads.unwrap_or(num_heads);
         let head_dim = match raw.head_dim {
@@ -311,7 +338,7 @@ impl Config {
                 "sliding_window is null but layer_types has sliding_attention layers".into(),
             );
         }
-        let rope = resolve_rope(&raw, head_dim)?;
+        let rope = resolve_rope(&raw, head_dim, family)?;
         let eos_token_ids = TokenIds::flatten(raw.eos_token_id.clone());
         check_token_ids("eos_token_id", &eos_token_ids, raw.vocab_size)?;
         let quant_method = raw
@@ -341,6 +368,8 @@ impl Config {
             attention_bias: raw.attention_bias,
             max_position_embeddings: raw.max_position_embeddings,
             quant_method,
+            norm_topk_prob: raw.norm_topk_prob,
+            family,
         })
     }
 
@@ -383,11 +412,17 @@ fn number(map: &Map<String, Value>, key: &str) -> std::result::Result<Option<f64
 
 /// Mirrors transformers' `convert_rope_params_to_dict` + `standardize_rope_params` +
 /// `_compute_yarn_parameters` (the float64 part; the float32 part lives in `cpu::rope`).
-fn resolve_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<Rope, String> {
-    // Legacy `rope_scaling` wins, then `rope_parameters`, then GPT-OSS's default YaRN dict.
+fn resolve_rope(
+    raw: &RawConfig,
+    head_dim: usize,
+    family: Family,
+) -> std::result::Result<Rope, String> {
+    // Legacy `rope_scaling` wins, then `rope_parameters`, then the family's default: GPT-OSS's
+    // YaRN dict, plain RoPE for Qwen3-MoE.
     let params = match (&raw.rope_scaling, &raw.rope_parameters) {
         (Some(s), _) if !s.is_empty() => s.clone(),
         (_, Some(p)) => p.clone(),
+        _ if family == Family::Qwen3Moe => Map::new(),
         _ => {
             let mut m = Map::new();
             m.insert("rope_type".into(), "yarn".into());
@@ -399,9 +434,13 @@ fn resolve_rope(raw: &RawConfig, head_dim: usize) -> std::result::Result<Rope, S
             m
         }
     };
+    let default_theta = match family {
+        Family::GptOss => 150000.0,
+        Family::Qwen3Moe => 10000.0,
+    };
     let theta = number(&params, "rope_theta")?
         .or(raw.rope_theta)
-        .unwrap_or(150000.0);
+        .unwrap_or(default_theta);
     if !(theta.is_finite() && theta > 1.0) {
         return Err(format!(
             "rope_theta ({theta}) must be a finite number above 1"

@@ -324,6 +324,14 @@ fn expert_rows(m: &ExpertMatrices, e: usize) -> Result<Vec<f32>> {
                 }
             }
         }
+        ExpertMatrices::Rows(r) => {
+            let mut rows = out.chunks_exact_mut(cols);
+            for block in r.matrices(e) {
+                for (r, row) in (0..block.rows).zip(&mut rows) {
+                    row.copy_from_slice(&decode_floats(block.format, block.row(r)));
+                }
+            }
+        }
         ExpertMatrices::Int4(_) => {
             return Err(Error::Unsupported(
                 "converting INT4 experts again (convert the original checkpoint)".into(),

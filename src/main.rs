@@ -120,6 +120,13 @@ impl ModelArgs {
     /// `load` for chatting on `backend`: the checkpoint's tokenizer.json (when it has one) must
     /// agree with o200k_harmony's special tokens.
     fn load_for_chat(&self, backend: Backend) -> Result<Model> {
+        let family = picchio::config::Config::load(&self.model)?.family;
+        if family != picchio::arch::Family::GptOss {
+            anyhow::bail!(
+                "chat, serve and stdio speak Harmony, GPT-OSS's chat format; picchio does not read a {} model's tokenizer and chat template yet (generate --ids runs it)",
+                family.model_type()
+            );
+        }
         picchio::chat::tokenizer::Tokenizer::check_checkpoint(&self.model)?;
         self.load_for(backend.into())
     }
@@ -281,12 +288,17 @@ enum OnOff {
 }
 
 impl PromptArgs {
-    /// The prompt's ids: `--ids`, or `--prompt` encoded.
-    fn prompt_ids(&self) -> Vec<u32> {
+    /// The prompt's ids: `--ids`, or `--prompt` encoded with GPT-OSS's vocabulary (the one
+    /// tokenizer picchio has; other families take `--ids`).
+    fn prompt_ids(&self, config: &picchio::config::Config) -> Result<Vec<u32>> {
         match &self.prompt {
-            Some(text) => picchio::chat::tokenizer::Tokenizer::o200k_harmony()
-                .encode_with_special_tokens(text),
-            None => self.ids.clone(),
+            Some(_) if config.family != picchio::arch::Family::GptOss => Err(anyhow::anyhow!(
+                "--prompt encodes with o200k_harmony, GPT-OSS's vocabulary; picchio does not read a {} model's tokenizer yet: pass token ids with --ids",
+                config.family.model_type()
+            )),
+            Some(text) => Ok(picchio::chat::tokenizer::Tokenizer::o200k_harmony()
+                .encode_with_special_tokens(text)),
+            None => Ok(self.ids.clone()),
         }
     }
 
@@ -638,7 +650,7 @@ fn run(cli: Cli) -> Result<()> {
             let mut loaded = prompt.load_for(backend.into())?;
             // `--stats` reports every proxy's accuracy: they guess even without prefetch.
             loaded.prefetch.measure_accuracy = stats;
-            let prompt_ids = prompt.prompt_ids();
+            let prompt_ids = prompt.prompt_ids(&loaded.config)?;
             let (model, ids, max_new_tokens) =
                 (&prompt.model.model, &prompt_ids, prompt.max_new_tokens);
             let context = resolve_context(&loaded, prompt.context)?;
@@ -1054,7 +1066,7 @@ fn run(cli: Cli) -> Result<()> {
             let report = picchio::model::agreement::top1_agreement(
                 &exact,
                 &other,
-                &prompt.prompt_ids(),
+                &prompt.prompt_ids(&exact.config)?,
                 prompt.max_new_tokens,
             )?;
             if json {
@@ -1132,7 +1144,7 @@ fn ab(prompt: &PromptArgs, backend: Backend, json: bool) -> Result<()> {
     let context = resolve_context(&model, prompt.context)?;
     let report = picchio::model::ab::compare_tiers(
         &model,
-        &prompt.prompt_ids(),
+        &prompt.prompt_ids(&model.config)?,
         prompt.max_new_tokens,
         backend.into(),
         &prompt.gpu_options(context, 0),

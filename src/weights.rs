@@ -14,6 +14,7 @@ use std::sync::Arc;
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors};
 
+use crate::arch::Family;
 use crate::arch::gpt_oss;
 use crate::config::Config;
 use crate::error::{Error, Result};
@@ -317,10 +318,15 @@ impl TensorBytes {
             (Backing::Pages(a), Backing::Pages(b)) => Arc::ptr_eq(a, b),
             _ => false,
         };
+        // A mapped file's neighbours are neighbours in the file too; copies need not be.
+        let origin = match self.backing {
+            Backing::Mapped(_) => self.origin,
+            _ => None,
+        };
         (same_buffer && self.range.end == next.range.start).then(|| TensorBytes {
             backing: self.backing.clone(),
             range: self.range.start..next.range.end,
-            origin: None,
+            origin,
         })
     }
 
@@ -563,6 +569,26 @@ impl Checkpoint {
         }
         Ok(entry)
     }
+
+    /// A mandatory float matrix `[rows, cols]`, viewed where it lies.
+    pub fn dense_matrix(&self, name: &str, rows: usize, cols: usize) -> Result<DenseMatrix> {
+        let entry = self.require(name, &FloatFormat::DTYPES, &[rows, cols])?;
+        Ok(DenseMatrix {
+            rows,
+            cols,
+            format: FloatFormat::of(entry.dtype),
+            data: self.bytes_of(entry),
+        })
+    }
+
+    /// A mandatory float tensor of `shape`, decoded to f32 (norms, biases, sinks).
+    pub fn float_vector(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        let entry = self.require(name, &FloatFormat::DTYPES, shape)?;
+        Ok(crate::formats::decode_floats(
+            FloatFormat::of(entry.dtype),
+            self.bytes_of(entry).bytes(),
+        ))
+    }
 }
 
 fn describe_header_error(e: safetensors::SafeTensorError, file_len: usize) -> String {
@@ -622,7 +648,8 @@ pub enum FloatFormat {
 impl FloatFormat {
     pub const DTYPES: [Dtype; 3] = [Dtype::BF16, Dtype::F16, Dtype::F32];
 
-    fn of(dtype: Dtype) -> FloatFormat {
+    /// The format of a dtype the L0 check accepted (`DTYPES`).
+    pub(crate) fn of(dtype: Dtype) -> FloatFormat {
         match dtype {
             Dtype::BF16 => FloatFormat::Bf16,
             Dtype::F16 => FloatFormat::F16,
@@ -822,12 +849,54 @@ impl DenseExperts {
     }
 }
 
+/// Float experts in PyTorch's `[out, in]` orientation (`W x`), each expert's matrix as the row
+/// blocks that stack into it: Qwen3-MoE's gate and up tensors (one block where they lie back to
+/// back), its down tensor, or an expert's slice of a fused `[E, out, in]` tensor.
+#[derive(Debug, Clone)]
+pub struct RowExperts {
+    pub rows: usize,
+    pub cols: usize,
+    pub format: FloatFormat,
+    /// Per expert, its row blocks in order (their rows add up to `rows`).
+    pub blocks: Vec<Vec<TensorBytes>>,
+}
+
+impl RowExperts {
+    pub fn new(
+        (rows, cols): (usize, usize),
+        format: FloatFormat,
+        blocks: Vec<Vec<TensorBytes>>,
+    ) -> RowExperts {
+        RowExperts {
+            rows,
+            cols,
+            format,
+            blocks,
+        }
+    }
+
+    /// Expert `e`'s row blocks as matrices, in order.
+    pub fn matrices(&self, e: usize) -> Vec<DenseMatrix> {
+        let row_bytes = self.cols * self.format.size();
+        self.blocks[e]
+            .iter()
+            .map(|data| DenseMatrix {
+                rows: data.bytes().len() / row_bytes,
+                cols: self.cols,
+                format: self.format,
+                data: data.clone(),
+            })
+            .collect()
+    }
+}
+
 /// One projection of all experts of a layer, as the checkpoint stores it.
 #[derive(Debug, Clone)]
 pub enum ExpertMatrices {
     Mxfp4(Mxfp4Experts),
     Int4(Int4Experts),
     Dense(DenseExperts),
+    Rows(RowExperts),
 }
 
 impl ExpertMatrices {
@@ -837,6 +906,7 @@ impl ExpertMatrices {
             ExpertMatrices::Mxfp4(m) => m.rows,
             ExpertMatrices::Int4(m) => m.rows,
             ExpertMatrices::Dense(d) => d.outputs,
+            ExpertMatrices::Rows(r) => r.rows,
         }
     }
 
@@ -846,6 +916,7 @@ impl ExpertMatrices {
             ExpertMatrices::Mxfp4(m) => m.cols,
             ExpertMatrices::Int4(m) => m.cols,
             ExpertMatrices::Dense(d) => d.inputs,
+            ExpertMatrices::Rows(r) => r.cols,
         }
     }
 }
@@ -863,17 +934,22 @@ pub struct LayerWeights {
     pub k_bias: Option<Vec<f32>>,
     pub v_bias: Option<Vec<f32>>,
     pub o_bias: Option<Vec<f32>>,
-    pub sinks: Vec<f32>,
+    /// Each query and key head's RMSNorm weights, `[head_dim]` (Qwen3-MoE).
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    /// One learned sink logit per head (GPT-OSS).
+    pub sinks: Option<Vec<f32>>,
     pub router: DenseMatrix,
-    pub router_bias: Vec<f32>,
-    /// `E x [2I, H]`, rows interleaved: even = gate unit, odd = up unit.
+    pub router_bias: Option<Vec<f32>>,
+    /// `E x [2I, H]`: GPT-OSS's rows interleaved (even = gate unit, odd = up unit), Qwen3-MoE's
+    /// gate rows then up rows.
     pub gate_up: ExpertMatrices,
     /// `[E, 2I]`
-    pub gate_up_bias: Vec<f32>,
+    pub gate_up_bias: Option<Vec<f32>>,
     /// `E x [H, I]`
     pub down: ExpertMatrices,
     /// `[E, H]`
-    pub down_bias: Vec<f32>,
+    pub down_bias: Option<Vec<f32>>,
 }
 
 impl LayerWeights {
@@ -932,6 +1008,7 @@ impl ExpertMatrices {
             ExpertMatrices::Mxfp4(m) => m.experts,
             ExpertMatrices::Int4(m) => m.experts,
             ExpertMatrices::Dense(d) => d.experts,
+            ExpertMatrices::Rows(r) => r.blocks.len(),
         }
     }
 
@@ -952,6 +1029,7 @@ impl ExpertMatrices {
             ExpertMatrices::Mxfp4(m) => (m.rows * m.cols / 2, m.rows * m.cols / 32),
             ExpertMatrices::Int4(m) => (m.rows * m.cols / 2, m.rows * m.cols / 16),
             ExpertMatrices::Dense(d) => (d.inputs * d.outputs * d.format.size(), 0),
+            ExpertMatrices::Rows(r) => (r.rows * r.cols * r.format.size(), 0),
         }
     }
 
@@ -983,6 +1061,10 @@ impl ExpertMatrices {
                 data: at(&d.data, ExpertStride::Contiguous, w),
                 ..d.clone()
             }),
+            ExpertMatrices::Rows(r) => ExpertMatrices::Rows(RowExperts {
+                blocks: vec![r.blocks[e].clone()],
+                ..r.clone()
+            }),
         }
     }
 
@@ -1006,6 +1088,12 @@ impl ExpertMatrices {
                 data: copy(&d.data)?,
                 ..d.clone()
             }),
+            ExpertMatrices::Rows(r) => ExpertMatrices::Rows(RowExperts {
+                blocks: (r.blocks.iter())
+                    .map(|blocks| blocks.iter().map(&mut copy).collect())
+                    .collect::<std::io::Result<_>>()?,
+                ..r.clone()
+            }),
         })
     }
 
@@ -1015,6 +1103,7 @@ impl ExpertMatrices {
             ExpertMatrices::Mxfp4(m) => vec![&m.blocks, &m.scales],
             ExpertMatrices::Int4(m) => vec![&m.qweight, &m.scales],
             ExpertMatrices::Dense(d) => vec![&d.data],
+            ExpertMatrices::Rows(r) => r.blocks.iter().flatten().collect(),
         }
     }
 
@@ -1043,9 +1132,10 @@ impl ExpertMatrices {
             .expect("one expert's bytes are always back to back")
     }
 
-    /// The weight and scale bytes of experts `run`, when they lie back to back: always for one
-    /// expert, for several only where the experts are stored contiguously (a checkpoint's
-    /// tensors, not a converted store's padded records).
+    /// The weight and scale bytes of experts `run`, when they lie back to back: for one expert
+    /// (but a Qwen3-MoE expert whose gate and up tensors lie apart), for several only where the
+    /// experts are stored contiguously (a checkpoint's tensors, not a converted store's padded
+    /// records).
     pub fn expert_run(&self, run: std::ops::Range<usize>) -> Option<(&[u8], Option<&[u8]>)> {
         fn slice<'a>(
             bytes: &'a TensorBytes,
@@ -1070,6 +1160,10 @@ impl ExpertMatrices {
                 Some(slice(&m.scales, m.stride, run, s)?),
             ),
             ExpertMatrices::Dense(d) => (slice(&d.data, ExpertStride::Contiguous, run, w)?, None),
+            ExpertMatrices::Rows(r) => match &r.blocks[run.start..run.end] {
+                [expert] if expert.len() == 1 => (expert[0].bytes(), None),
+                _ => return None,
+            },
         })
     }
 }
@@ -1166,10 +1260,12 @@ impl ModelWeights {
                     + l.down.bytes()
                     + floats(&l.input_norm)
                     + floats(&l.post_attention_norm)
-                    + floats(&l.sinks)
-                    + floats(&l.router_bias)
-                    + floats(&l.gate_up_bias)
-                    + floats(&l.down_bias)
+                    + optional(&l.sinks)
+                    + optional(&l.router_bias)
+                    + optional(&l.gate_up_bias)
+                    + optional(&l.down_bias)
+                    + optional(&l.q_norm)
+                    + optional(&l.k_norm)
                     + optional(&l.q_bias)
                     + optional(&l.k_bias)
                     + optional(&l.v_bias)
@@ -1185,111 +1281,141 @@ impl ModelWeights {
     /// Resolves and validates every tensor the forward pass needs.
     pub fn load(ck: &Checkpoint, cfg: &Config) -> Result<ModelWeights> {
         let h = cfg.hidden_size;
-        let i = cfg.intermediate_size;
-        let e = cfg.num_experts;
-        if let Some(method) = &cfg.quant_method
-            && method != "mxfp4"
-        {
-            return Err(Error::Unsupported(format!(
-                "quantization_config.quant_method {method:?} (picchio reads mxfp4 experts)"
-            )));
-        }
-        let dense = |name: &str, rows: usize, cols: usize| -> Result<DenseMatrix> {
-            let entry = ck.require(name, &FloatFormat::DTYPES, &[rows, cols])?;
-            Ok(DenseMatrix {
-                rows,
-                cols,
-                format: FloatFormat::of(entry.dtype),
-                data: ck.bytes_of(entry),
-            })
-        };
-        let vector = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
-            let entry = ck.require(name, &FloatFormat::DTYPES, shape)?;
-            Ok(crate::formats::decode_floats(
-                FloatFormat::of(entry.dtype),
-                ck.bytes_of(entry).bytes(),
-            ))
-        };
-        // MXFP4 as published (`*_blocks`/`*_scales`), or unquantized `[E, in, out]` tensors.
-        let experts = |prefix: &str, rows: usize, cols: usize| -> Result<ExpertMatrices> {
-            let blocks_name = format!("{prefix}_blocks");
-            if ck.get(&blocks_name).is_none() && ck.get(prefix).is_some() {
-                let entry = ck.require(prefix, &FloatFormat::DTYPES, &[e, cols, rows])?;
-                return Ok(ExpertMatrices::Dense(DenseExperts {
-                    experts: e,
-                    inputs: cols,
-                    outputs: rows,
-                    format: FloatFormat::of(entry.dtype),
-                    data: ck.bytes_of(entry),
-                }));
-            }
-            if !cols.is_multiple_of(32) {
-                return Err(Error::Unsupported(format!(
-                    "{prefix}: input size {cols} is not a multiple of 32, which MXFP4 experts need"
-                )));
-            }
-            let groups = cols / 32;
-            let u8s = [Dtype::U8, Dtype::F8_E8M0];
-            let blocks = ck.require(&blocks_name, &[Dtype::U8], &[e, rows, groups, 16])?;
-            let scales = ck.require(&format!("{prefix}_scales"), &u8s, &[e, rows, groups])?;
-            Ok(ExpertMatrices::Mxfp4(Mxfp4Experts::contiguous(
-                e,
-                (rows, cols),
-                ck.bytes_of(blocks),
-                ck.bytes_of(scales),
-            )))
-        };
-
         let flat = crate::flat_store::FlatExperts::open(ck.dir(), cfg)?.map(Arc::new);
         let mut layers = Vec::new(); // grows as tensors are found: no trust in the config's count
-        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
         for l in 0..cfg.num_layers {
-            let names = gpt_oss::layer_tensors(l);
-            let bias = |name: &str, len: usize| -> Result<Option<Vec<f32>>> {
-                if cfg.attention_bias {
-                    vector(name, &[len]).map(Some)
-                } else {
-                    Ok(None)
-                }
-            };
-            layers.push(LayerWeights {
-                input_norm: vector(&names.input_norm, &[h])?,
-                post_attention_norm: vector(&names.post_attention_norm, &[h])?,
-                q: dense(&names.q, qd, h)?,
-                k: dense(&names.k, kvd, h)?,
-                v: dense(&names.v, kvd, h)?,
-                o: dense(&names.o, h, qd)?,
-                q_bias: bias(&names.q_bias, qd)?,
-                k_bias: bias(&names.k_bias, kvd)?,
-                v_bias: bias(&names.v_bias, kvd)?,
-                o_bias: bias(&names.o_bias, h)?,
-                sinks: vector(&names.sinks, &[cfg.num_heads])?,
-                router: dense(&names.router, e, h)?,
-                router_bias: vector(&names.router_bias, &[e])?,
-                gate_up: match &flat {
-                    Some(store) => store.projection(l, true),
-                    None => experts(&names.gate_up, 2 * i, h)?,
-                },
-                gate_up_bias: vector(&names.gate_up_bias, &[e, 2 * i])?,
-                down: match &flat {
-                    Some(store) => store.projection(l, false),
-                    None => experts(&names.down, h, i)?,
-                },
-                down_bias: vector(&names.down_bias, &[e, h])?,
+            // A converted store's records replace the checkpoint's experts, which it may lack.
+            let converted = flat.as_deref().map(|store| LayerExperts {
+                gate_up: store.projection(l, true),
+                down: store.projection(l, false),
+            });
+            layers.push(match cfg.family {
+                Family::GptOss => gpt_oss_layer(ck, cfg, l, converted)?,
+                Family::Qwen3Moe => crate::arch::qwen3_moe::load_layer(ck, cfg, l, converted)?,
             });
         }
-        let embeddings = dense(gpt_oss::EMBEDDINGS, cfg.vocab_size, h)?;
+        let embeddings = ck.dense_matrix(gpt_oss::EMBEDDINGS, cfg.vocab_size, h)?;
         let lm_head = if cfg.tie_word_embeddings && ck.get(gpt_oss::LM_HEAD).is_none() {
             embeddings.clone()
         } else {
-            dense(gpt_oss::LM_HEAD, cfg.vocab_size, h)?
+            ck.dense_matrix(gpt_oss::LM_HEAD, cfg.vocab_size, h)?
         };
         Ok(ModelWeights {
             embeddings,
             layers,
-            final_norm: vector(gpt_oss::FINAL_NORM, &[h])?,
+            final_norm: ck.float_vector(gpt_oss::FINAL_NORM, &[h])?,
             lm_head,
             flat,
         })
     }
+}
+
+/// A layer's two expert projections.
+pub struct LayerExperts {
+    pub gate_up: ExpertMatrices,
+    pub down: ExpertMatrices,
+}
+
+/// Layer `l` of a GPT-OSS checkpoint: MXFP4 experts as published (`*_blocks`/`*_scales`), or
+/// unquantized `[E, in, out]` ones, unless `converted` gives them.
+fn gpt_oss_layer(
+    ck: &Checkpoint,
+    cfg: &Config,
+    l: usize,
+    converted: Option<LayerExperts>,
+) -> Result<LayerWeights> {
+    let (h, i, e) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_experts);
+    if let Some(method) = &cfg.quant_method
+        && method != "mxfp4"
+    {
+        return Err(Error::Unsupported(format!(
+            "quantization_config.quant_method {method:?} (picchio reads mxfp4 experts)"
+        )));
+    }
+    let experts = |prefix: &str, rows: usize, cols: usize| -> Result<ExpertMatrices> {
+        let blocks_name = format!("{prefix}_blocks");
+        if ck.get(&blocks_name).is_none() && ck.get(prefix).is_some() {
+            let entry = ck.require(prefix, &FloatFormat::DTYPES, &[e, cols, rows])?;
+            return Ok(ExpertMatrices::Dense(DenseExperts {
+                experts: e,
+                inputs: cols,
+                outputs: rows,
+                format: FloatFormat::of(entry.dtype),
+                data: ck.bytes_of(entry),
+            }));
+        }
+        if !cols.is_multiple_of(32) {
+            return Err(Error::Unsupported(format!(
+                "{prefix}: input size {cols} is not a multiple of 32, which MXFP4 experts need"
+            )));
+        }
+        let groups = cols / 32;
+        let u8s = [Dtype::U8, Dtype::F8_E8M0];
+        let blocks = ck.require(&blocks_name, &[Dtype::U8], &[e, rows, groups, 16])?;
+        let scales = ck.require(&format!("{prefix}_scales"), &u8s, &[e, rows, groups])?;
+        Ok(ExpertMatrices::Mxfp4(Mxfp4Experts::contiguous(
+            e,
+            (rows, cols),
+            ck.bytes_of(blocks),
+            ck.bytes_of(scales),
+        )))
+    };
+    let names = gpt_oss::layer_tensors(l);
+    let experts = match converted {
+        Some(experts) => experts,
+        None => LayerExperts {
+            gate_up: experts(&names.gate_up, 2 * i, h)?,
+            down: experts(&names.down, h, i)?,
+        },
+    };
+    Ok(LayerWeights {
+        sinks: Some(ck.float_vector(&names.sinks, &[cfg.num_heads])?),
+        router_bias: Some(ck.float_vector(&names.router_bias, &[e])?),
+        gate_up_bias: Some(ck.float_vector(&names.gate_up_bias, &[e, 2 * i])?),
+        down_bias: Some(ck.float_vector(&names.down_bias, &[e, h])?),
+        ..shared_layer(ck, cfg, l, &names.router, experts)?
+    })
+}
+
+/// What every family's layer `l` has, under the names the families share: the two norms, q, k,
+/// v and o (biases where `attention_bias`), the router's matrix (`router`) and the experts.
+/// Nothing else: each family adds its own (sinks, biases, per-head norms).
+pub fn shared_layer(
+    ck: &Checkpoint,
+    cfg: &Config,
+    l: usize,
+    router: &str,
+    experts: LayerExperts,
+) -> Result<LayerWeights> {
+    let (h, e) = (cfg.hidden_size, cfg.num_experts);
+    let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+    let names = gpt_oss::layer_tensors(l);
+    let bias = |name: &str, len: usize| -> Result<Option<Vec<f32>>> {
+        if cfg.attention_bias {
+            ck.float_vector(name, &[len]).map(Some)
+        } else {
+            Ok(None)
+        }
+    };
+    Ok(LayerWeights {
+        input_norm: ck.float_vector(&names.input_norm, &[h])?,
+        post_attention_norm: ck.float_vector(&names.post_attention_norm, &[h])?,
+        q: ck.dense_matrix(&names.q, qd, h)?,
+        k: ck.dense_matrix(&names.k, kvd, h)?,
+        v: ck.dense_matrix(&names.v, kvd, h)?,
+        o: ck.dense_matrix(&names.o, h, qd)?,
+        q_bias: bias(&names.q_bias, qd)?,
+        k_bias: bias(&names.k_bias, kvd)?,
+        v_bias: bias(&names.v_bias, kvd)?,
+        o_bias: bias(&names.o_bias, h)?,
+        q_norm: None,
+        k_norm: None,
+        sinks: None,
+        router: ck.dense_matrix(router, e, h)?,
+        router_bias: None,
+        gate_up: experts.gate_up,
+        gate_up_bias: None,
+        down: experts.down,
+        down_bias: None,
+    })
 }

@@ -23,7 +23,7 @@ fn load(dir: &std::path::Path, ram_budget: RamBudget) -> Model {
 
 #[test]
 fn every_ram_budget_gives_transformers_tokens() {
-    for dir in fixture_dirs() {
+    for dir in every_family_fixture_dirs() {
         let reference = reference(&dir);
         let expert_bytes = load(&dir, RamBudget::Bytes(0)).experts.expert_bytes();
         for budget in [
@@ -181,4 +181,40 @@ fn usage_is_saved_and_pins_hot_experts_next_time() {
     let plain = load(dir.path(), RamBudget::Percent(50.0));
     generate(&plain, &reference.prompt_ids, &greedy_options(4)).unwrap();
     assert_eq!(plain.experts.pinned(), 0);
+}
+
+#[test]
+fn qwen3_tokens_hold_with_prefetch_at_every_distance_and_starved_budgets() {
+    use picchio::model::{MmapMode, PrefetchOptions, PrefetchProxy};
+    for dir in qwen3_fixture_dirs() {
+        let reference = reference(&dir);
+        let cases = [RamBudget::Bytes(0), RamBudget::Percent(25.0)]
+            .into_iter()
+            .flat_map(|budget| [PrefetchProxy::A, PrefetchProxy::B].map(|p| (budget, p)))
+            .flat_map(|(budget, proxy)| (1..=3).map(move |d| (budget, proxy, d)));
+        for (ram_budget, proxy, distance) in cases {
+            let options = ModelOptions {
+                ram_budget,
+                io_threads: 3,
+                // Mapped, so that per-expert tensors are read where the checkpoint has them.
+                mmap: MmapMode::On,
+                prefetch: PrefetchOptions {
+                    enabled: true,
+                    proxy,
+                    distance,
+                    measure_accuracy: true,
+                },
+                ..Default::default()
+            };
+            let model = Model::load_with(&dir, &options).unwrap();
+            let out = generate(&model, &reference.prompt_ids, &greedy_options(32)).unwrap();
+            let what = format!(
+                "{} {ram_budget:?} {proxy:?} distance {distance}",
+                dir.display()
+            );
+            assert_eq!(out.generated_ids, reference.generated_ids, "{what}");
+            let s = model.experts.stats();
+            assert!(s.prefetch.issued > 0, "{what}: nothing prefetched: {s:?}");
+        }
+    }
 }

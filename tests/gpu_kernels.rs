@@ -968,7 +968,7 @@ fn cpu_attention(c: AttentionCase, q: &[f32], k: &[f32], v: &[f32], sinks: &[f32
         };
         let out = &mut want[t * q_dim..(t + 1) * q_dim];
         let query = &q[t * q_dim..(t + 1) * q_dim];
-        cpu::attention::attend(layout, query, keys, kv, sinks, scaling, out);
+        cpu::attention::attend(layout, query, keys, kv, Some(sinks), scaling, out);
     }
     want
 }

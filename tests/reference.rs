@@ -36,14 +36,14 @@ fn assert_greedy_tokens(model: &Model, dir: &std::path::Path) {
 
 #[test]
 fn greedy_tokens_match_transformers() {
-    for dir in fixture_dirs() {
+    for dir in every_family_fixture_dirs() {
         assert_greedy_tokens(&Model::load(&dir).unwrap(), &dir);
     }
 }
 
 #[test]
 fn top_logits_match_transformers_within_tolerance() {
-    for dir in fixture_dirs() {
+    for dir in every_family_fixture_dirs() {
         let model = Model::load(&dir).unwrap();
         let reference = reference(&dir);
         // Teacher-forced on transformers' tokens, so every step is compared even after a flip.
@@ -87,7 +87,7 @@ fn top_logits_match_transformers_within_tolerance() {
 
 #[test]
 fn layer_checkpoints_match_transformers() {
-    for dir in fixture_dirs() {
+    for dir in every_family_fixture_dirs() {
         let model = Model::load(&dir).unwrap();
         let reference = reference(&dir);
         let mut cache = model.new_cache(4096);
@@ -171,7 +171,7 @@ fn assert_same_outputs(model: &Model, other: &Model, dir: &std::path::Path) {
 
 #[test]
 fn batched_prefill_equals_one_token_at_a_time() {
-    for dir in fixture_dirs() {
+    for dir in every_family_fixture_dirs() {
         let model = Model::load(&dir).unwrap();
         let prompt = reference(&dir).prompt_ids;
         let batched = run_in_blocks(&model, &prompt, prompt.len(), 12);
@@ -192,7 +192,7 @@ fn batched_prefill_equals_one_token_at_a_time() {
 #[test]
 fn stacked_attention_projections_change_nothing() {
     use picchio::model::{MmapMode, ModelOptions};
-    for dir in fixture_dirs() {
+    for dir in every_family_fixture_dirs() {
         let load = |mmap| {
             let options = ModelOptions {
                 mmap,
@@ -475,7 +475,7 @@ fn q8_expert_activations_mostly_agree_with_the_exact_path() {
 fn multi_turn_prefix_reuse_gives_the_tokens_of_a_full_prefill() {
     use picchio::model::sampler::{Sampler, SamplingOptions};
     use picchio::model::session::{ChatSession, Finish};
-    for dir in fixture_dirs() {
+    for dir in every_family_fixture_dirs() {
         let model = Model::load(&dir).unwrap();
         let prompt = reference(&dir).prompt_ids;
         let greedy = || Sampler::new(SamplingOptions::default());
@@ -512,4 +512,22 @@ fn multi_turn_prefix_reuse_gives_the_tokens_of_a_full_prefill() {
         assert_eq!(session.position(), position);
         assert_eq!(session.tokens(), &held[..]);
     }
+}
+
+#[test]
+fn qwen3_runs_on_the_cpu_tier_and_the_gpu_tier_says_it_does_not_yet() {
+    use picchio::model::generate::{BackendChoice, Runtime};
+    let dir = &qwen3_fixture_dirs()[0];
+    let model = Model::load(dir).unwrap();
+    let asked = Runtime::open(&model, BackendChoice::Gpu, &gpu_options());
+    let message = asked.err().expect("the GPU tier refuses").to_string();
+    assert!(
+        message.contains("qwen3_moe") && message.contains("CPU tier only"),
+        "{message}"
+    );
+    let auto = Runtime::open(&model, BackendChoice::Auto, &gpu_options()).unwrap();
+    assert!(auto.gpu().is_none(), "auto runs Qwen3-MoE on the CPU tier");
+    let ops = model.layer_ops(&reference(dir).prompt_ids).unwrap();
+    let head_norms = ops.iter().filter(|o| o.op.starts_with("head_norm")).count();
+    assert_eq!(head_norms, 2 * model.config.num_layers, "{ops:?}");
 }

@@ -5,6 +5,7 @@ transformers computes on them, as the L2 reference for picchio's tests.
     pip install torch transformers safetensors numpy accelerate
     python3 tools/make_fixtures.py --out fixtures
 
+GPT-OSS fixtures go to OUT/, Qwen3-MoE ones (tools/qwen3_moe_fixtures.py) to OUT/qwen3-moe/.
 Each fixture directory gets:
   config.json                      real-style GPT-OSS config (yarn rope_scaling, truncate=false,
                                    layer_types, quantization_config mxfp4)
@@ -33,6 +34,9 @@ import safetensors.torch
 import torch
 import transformers
 from transformers import GptOssForCausalLM
+
+import qwen3_moe_fixtures as qwen3
+from fixture_common import bf16, greedy, layer_checkpoints, save_checkpoint
 
 FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 FP4_MEAN_SQUARE = float(np.mean(FP4**2))
@@ -139,6 +143,11 @@ FIXTURES = [
         sinks_dtype="f32",
     ),
 ]
+
+
+def ROUTER(layer):
+    """A GPT-OSS layer's router module (its output is `(logits, weights, ids)`)."""
+    return layer.mlp.router
 
 
 def random_spec(index, seed):
@@ -255,10 +264,6 @@ def make_config(spec):
     return config
 
 
-def bf16(rng, shape, std, mean=0.0):
-    return torch.from_numpy(rng.normal(mean, std, size=shape).astype(np.float32)).to(torch.bfloat16)
-
-
 def mxfp4(rng, experts, rows, cols, target_std):
     """Random codes with E8M0 scales chosen so that a dot with a unit-RMS input has about
     `target_std`; scales vary by +-1 per group so rows differ in magnitude."""
@@ -329,31 +334,6 @@ def unquantize_experts(tensors):
     return tensors
 
 
-def save_checkpoint(tensors, out_dir, shards, shard_names="openai"):
-    if shards == 1:
-        safetensors.torch.save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-        return
-    names = list(tensors)
-    per = math.ceil(len(names) / shards)
-    weight_map = {}
-    total = 0
-    for s in range(shards):
-        # openai's 0-based naming: model-00000-of-00002 ... model-00002-of-00002 for 3 files;
-        # transformers' own: model-00001-of-00003 ... model-00003-of-00003.
-        if shard_names == "openai":
-            file = f"model-{s:05d}-of-{shards - 1:05d}.safetensors"
-        else:
-            file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = {n: tensors[n] for n in names[s * per : (s + 1) * per]}
-        safetensors.torch.save_file(part, os.path.join(out_dir, file), metadata={"format": "pt"})
-        for n, x in part.items():
-            weight_map[n] = file
-            total += x.numel() * x.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-        json.dump(index, f, indent=2, sort_keys=True)
-
-
 def load_reference_model(out_dir):
     model = GptOssForCausalLM.from_pretrained(
         out_dir,
@@ -380,63 +360,6 @@ def check_loaded_experts(model, tensors, spec):
                 ours = dequantize(tensors[f"{p}.{proj}_blocks"], tensors[f"{p}.{proj}_scales"])  # [E, out, in]
             theirs = getattr(experts, proj).detach().float().transpose(1, 2)  # [E, in, out] -> [E, out, in]
             assert torch.equal(ours, theirs), f"layer {l} {proj}: transformers decoded MXFP4 differently"
-
-
-@torch.no_grad()
-def layer_checkpoints(model, prompt, position):
-    """Per-layer values at one prompt position of a full (uncached) forward pass."""
-    records = []
-    hooks = []
-    for layer in model.model.layers:
-        rec = {}
-        records.append(rec)
-        hooks.append(
-            layer.post_attention_layernorm.register_forward_pre_hook(
-                lambda m, args, rec=rec: rec.__setitem__("after_attention", args[0][0, position].tolist())
-            )
-        )
-
-        def router_hook(m, args, out, rec=rec):
-            _, scores, indices = out
-            rec["router_ids"] = indices[position].tolist()
-            rec["router_weights"] = scores[position].tolist()
-
-        hooks.append(layer.mlp.router.register_forward_hook(router_hook))
-        hooks.append(
-            layer.register_forward_hook(
-                lambda m, args, out, rec=rec: rec.__setitem__(
-                    "after_moe", (out[0] if isinstance(out, tuple) else out)[0, position].tolist()
-                )
-            )
-        )
-    model(torch.tensor([prompt]), use_cache=False)
-    for hk in hooks:
-        hk.remove()
-    return records
-
-
-@torch.no_grad()
-def greedy(model, prompt, new_tokens, top):
-    out = model.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    ids = out.sequences[0, len(prompt) :].tolist()
-    steps = []
-    for logits in out.logits:
-        row = logits[0].float()
-        values, indices = torch.topk(row, top)
-        steps.append(
-            {
-                "top": [[int(i), float(v)] for i, v in zip(indices, values)],
-                "margin": float(values[0] - values[1]),
-            }
-        )
-    return ids, steps
 
 
 def clamp_fraction(model, prompt, limit):
@@ -480,9 +403,9 @@ def build(spec, out_root, new_tokens, top):
     # Avoid the EOS ids in the prompt so the prompt reads like text.
     prompt = [int(x) for x in rng.integers(10, spec["vocab_size"], size=spec["prompt_len"])]
     ids, steps = greedy(model, prompt, new_tokens, top)
-    layers = layer_checkpoints(model, prompt, 0)
+    layers = layer_checkpoints(model, prompt, 0, ROUTER)
     # The last prompt position also exercises windows, sinks over many keys and rotation.
-    layers_last = layer_checkpoints(model, prompt, len(prompt) - 1)
+    layers_last = layer_checkpoints(model, prompt, len(prompt) - 1, ROUTER)
     reference = {
         "generator": "tools/make_fixtures.py",
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
@@ -511,13 +434,24 @@ def main():
     parser.add_argument("--only", nargs="*", help="fixture names to build (default: all)")
     parser.add_argument("--random", type=int, default=0, help="build N random shapes instead of the fixtures")
     parser.add_argument("--seed", type=int, default=0, help="seed of --random")
+    parser.add_argument(
+        "--family", choices=["gpt_oss", "qwen3_moe", "all"], default="all", help="which model family to build"
+    )
     args = parser.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    specs = [random_spec(i, args.seed) for i in range(args.random)] if args.random else FIXTURES
-    for spec in specs:
-        if args.only and spec["name"] not in args.only:
-            continue
-        build(spec, args.out, args.new_tokens, args.top)
+    families = []
+    if args.family in ("gpt_oss", "all"):
+        specs = [random_spec(i, args.seed) for i in range(args.random)] if args.random else FIXTURES
+        families.append((specs, args.out, lambda spec, out: build(spec, out, args.new_tokens, args.top)))
+    if args.family in ("qwen3_moe", "all"):
+        specs = [qwen3.random_spec(i, args.seed) for i in range(args.random)] if args.random else qwen3.FIXTURES
+        out = os.path.join(args.out, "qwen3-moe")
+        families.append((specs, out, lambda spec, out: qwen3.build(spec, out, args.new_tokens, args.top)))
+    for specs, out, build_one in families:
+        for spec in specs:
+            if args.only and spec["name"] not in args.only:
+                continue
+            build_one(spec, out)
 
 
 if __name__ == "__main__":

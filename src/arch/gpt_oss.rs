@@ -8,13 +8,7 @@ use crate::config::Config;
 /// Layer `l` of a GPT-OSS model.
 pub fn layer(config: &Config, l: usize) -> LayerSpec {
     LayerSpec {
-        attention: AttentionSpec {
-            heads: config.num_heads,
-            kv_heads: config.num_kv_heads,
-            head_dim: config.head_dim,
-            window: config.window_of(l),
-            scaling: (config.head_dim as f64).powf(-0.5) as f32,
-        },
+        attention: AttentionSpec::of(config, l, false),
         router: RouterSpec {
             experts: config.num_experts,
             top_k: config.experts_per_token,

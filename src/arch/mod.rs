@@ -4,6 +4,7 @@
 //! forward pass.
 
 pub mod gpt_oss;
+pub mod qwen3_moe;
 
 use crate::config::Config;
 
@@ -25,6 +26,23 @@ pub struct AttentionSpec {
     pub window: Option<usize>,
     /// Factor on every query-key product before the softmax.
     pub scaling: f32,
+    /// An RMSNorm over each head of the queries and of the keys before the rotary embedding
+    /// (Qwen3's `q_norm`/`k_norm`).
+    pub head_norms: bool,
+}
+
+impl AttentionSpec {
+    /// Layer `l`'s attention as `config` gives it: GQA heads, its window, `1/sqrt(head_dim)`.
+    pub fn of(config: &Config, l: usize, head_norms: bool) -> AttentionSpec {
+        AttentionSpec {
+            heads: config.num_heads,
+            kv_heads: config.num_kv_heads,
+            head_dim: config.head_dim,
+            window: config.window_of(l),
+            scaling: (config.head_dim as f64).powf(-0.5) as f32,
+            head_norms,
+        }
+    }
 }
 
 /// How a router turns its logits into experts and weights.
@@ -32,6 +50,9 @@ pub struct AttentionSpec {
 pub enum Gating {
     /// The k largest logits (ties to the lower id), then a softmax over those k (GPT-OSS).
     TopKThenSoftmax,
+    /// A softmax over every expert, then the k largest probabilities (ties to the lower id),
+    /// divided by their sum where `renormalize` (Qwen3-MoE's `norm_topk_prob`).
+    SoftmaxThenTopK { renormalize: bool },
 }
 
 /// The router of one layer.
@@ -48,6 +69,8 @@ pub enum Activation {
     /// GPT-OSS: gate and up interleaved by rows, both clamped at `limit` (gate from above only),
     /// `(up + 1) * gate * sigmoid(alpha * gate)`.
     ClampedSwiglu { alpha: f32, limit: f32 },
+    /// Qwen3-MoE: gate rows first, up rows second, `silu(gate) * up` with no clamp.
+    Swiglu,
 }
 
 /// The experts of one layer.
@@ -59,23 +82,39 @@ pub struct ExpertSpec {
 }
 
 /// The model families picchio runs, by config.json's `model_type`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
 pub enum Family {
+    #[serde(rename = "gpt_oss")]
     GptOss,
+    #[serde(rename = "qwen3_moe")]
+    Qwen3Moe,
 }
 
 impl Family {
-    /// The family of a loaded config (`Config` accepts only the families listed here).
-    pub fn of(_config: &Config) -> Family {
-        Family::GptOss
+    /// The family of a config.json's `model_type` (an absent one means GPT-OSS, which the first
+    /// checkpoints picchio read left out).
+    pub fn from_model_type(model_type: Option<&str>) -> Option<Family> {
+        match model_type {
+            None | Some("gpt_oss") => Some(Family::GptOss),
+            Some("qwen3_moe") => Some(Family::Qwen3Moe),
+            Some(_) => None,
+        }
+    }
+
+    /// config.json's `model_type` of the family.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::GptOss => "gpt_oss",
+            Family::Qwen3Moe => "qwen3_moe",
+        }
     }
 
     /// Every decoder layer's spec, in order.
     pub fn layers(self, config: &Config) -> Vec<LayerSpec> {
-        match self {
-            Family::GptOss => (0..config.num_layers)
-                .map(|l| gpt_oss::layer(config, l))
-                .collect(),
-        }
+        let layer = match self {
+            Family::GptOss => gpt_oss::layer,
+            Family::Qwen3Moe => qwen3_moe::layer,
+        };
+        (0..config.num_layers).map(|l| layer(config, l)).collect()
     }
 }

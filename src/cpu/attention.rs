@@ -25,14 +25,15 @@ pub fn first_visible_key(position: usize, window: Option<usize>) -> usize {
 /// Attention output of one query position, all heads.
 ///
 /// `q` is `[num_heads * head_dim]`; keys and values of positions `first..=last` come from
-/// `kv(j) -> (k, v)`, each `[num_kv_heads * head_dim]`. The sink of head `h` joins the softmax as
-/// an extra logit with no value. Query head `h` reads kv head `h / (num_heads / num_kv_heads)`.
+/// `kv(j) -> (k, v)`, each `[num_kv_heads * head_dim]`. The sink of head `h`, where the model has
+/// sinks, joins the softmax as an extra logit with no value. Query head `h` reads kv head
+/// `h / (num_heads / num_kv_heads)`.
 pub fn attend<'a>(
     layout: HeadLayout,
     q: &[f32],
     keys: std::ops::RangeInclusive<usize>,
     kv: impl Fn(usize) -> (&'a [f32], &'a [f32]),
-    sinks: &[f32],
+    sinks: Option<&[f32]>,
     scaling: f32,
     out: &mut [f32],
 ) {
@@ -77,7 +78,7 @@ pub fn attend_group<'a>(
     q: &[f32],
     keys: std::ops::RangeInclusive<usize>,
     kv: &impl Fn(usize) -> (&'a [f32], &'a [f32]),
-    sinks: &[f32],
+    sinks: Option<&[f32]>,
     scaling: f32,
     out: &mut [f32],
 ) {
@@ -131,7 +132,7 @@ struct Group<'q> {
     layout: HeadLayout,
     g: usize,
     q: &'q [f32],
-    sinks: &'q [f32],
+    sinks: Option<&'q [f32]>,
     scaling: f32,
 }
 
@@ -146,15 +147,16 @@ impl Group<'_> {
         )
     }
 
-    /// The sinks of pass p's heads, one per lane (zero in lanes past the group's heads).
+    /// The sinks of pass p's heads, one per lane (zero in lanes past the group's heads). Without
+    /// sinks, -inf: its exponential is exactly 0, and it never wins the max.
     fn pass_sinks(&self, p: usize) -> [f32; HEAD_LANES] {
         let (_, per_group, _) = self.sizes();
         std::array::from_fn(|l| {
             let i = p * HEAD_LANES + l;
-            if i < per_group {
-                self.sinks[self.g * per_group + i]
-            } else {
-                0.0
+            match self.sinks {
+                _ if i >= per_group => 0.0,
+                Some(sinks) => sinks[self.g * per_group + i],
+                None => f32::NEG_INFINITY,
             }
         })
     }
@@ -456,7 +458,7 @@ mod tests {
             &q,
             0..=0,
             |_| (&k[..], &v[..]),
-            &[0.5],
+            Some(&[0.5]),
             1.0,
             &mut out,
         );
@@ -471,10 +473,14 @@ mod tests {
             &q,
             0..=0,
             |_| (&k[..], &v[..]),
-            &[-1e4],
+            Some(&[-1e4]),
             1.0,
             &mut out,
         );
+        assert_eq!(out, [3.0, -1.0]);
+        // No sinks (Qwen3): the plain softmax, exactly.
+        out = [f32::NAN; 2];
+        attend(layout, &q, 0..=0, |_| (&k[..], &v[..]), None, 1.0, &mut out);
         assert_eq!(out, [3.0, -1.0]);
     }
 
@@ -519,7 +525,11 @@ mod tests {
                     || k == detect()
                     || (k < detect() && detect() != CpuKernels::Neon)
             };
-            for kernels in levels.into_iter().filter(|&k| has(k)) {
+            let cases = levels
+                .into_iter()
+                .filter(|&k| has(k))
+                .flat_map(|k| [(k, Some(&sinks[..])), (k, None)]);
+            for (kernels, sinks) in cases {
                 // Past one block of the AVX-512 kernel's value loop (64 keys) too.
                 for range in [0..=0, 3..=9, 0..=39, 5..=149] {
                     let width = layout.heads_per_kv_head() * head_dim;
@@ -529,7 +539,7 @@ mod tests {
                             layout,
                             g,
                             q: &q,
-                            sinks: &sinks,
+                            sinks,
                             scaling: 0.125,
                         };
                         let head = head_rows(&kv, g, head_dim);
@@ -537,7 +547,8 @@ mod tests {
                     }
                     let mut alone = vec![0f32; num_heads * head_dim];
                     for (h, oh) in alone.chunks_exact_mut(head_dim).enumerate() {
-                        attend_head(layout, h, &q, range.clone(), &kv, sinks[h], 0.125, oh);
+                        let sink = sinks.map_or(f32::NEG_INFINITY, |s| s[h]);
+                        attend_head(layout, h, &q, range.clone(), &kv, sink, 0.125, oh);
                     }
                     // |got - want| <= atol + rtol |want|, every value; report the worst.
                     let (atol, rtol) = (2e-6, 1e-5);
@@ -646,13 +657,16 @@ mod tests {
                 )
             };
             let width = layout.heads_per_kv_head() * head_dim;
-            for range in [7..=7, 0..=8, 0..=64, 3..=199] {
+            let cases = [7..=7, 0..=8, 0..=64, 3..=199]
+                .into_iter()
+                .flat_map(|range| [(range.clone(), Some(&sinks[..])), (range, None)]);
+            for (range, sinks) in cases {
                 for g in 0..num_kv_heads {
                     let group = Group {
                         layout,
                         g,
                         q: &q,
-                        sinks: &sinks,
+                        sinks,
                         scaling: 0.125,
                     };
                     // The kernel's output starts as NaN: it must write every value before reading
@@ -697,7 +711,7 @@ mod tests {
             &q,
             0..=0,
             |_| (&k[..], &v[..]),
-            &[-1e4; 4],
+            Some(&[-1e4; 4]),
             1.0,
             &mut out,
         );

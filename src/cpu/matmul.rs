@@ -7,7 +7,7 @@ use rayon::prelude::*;
 
 use crate::formats::{FP4_VALUES, bf16_to_f32, e8m0_scale, f16_to_f32};
 use crate::weights::{
-    DenseExperts, DenseMatrix, ExpertMatrices, FloatFormat, Int4Experts, Mxfp4Experts,
+    DenseExperts, DenseMatrix, ExpertMatrices, FloatFormat, Int4Experts, Mxfp4Experts, RowExperts,
 };
 
 const LANES: usize = 8;
@@ -544,6 +544,36 @@ pub fn expert_matmul(
         ExpertMatrices::Mxfp4(m) => mxfp4_matmul(m, expert, xs, bias, out),
         ExpertMatrices::Int4(m) => int4_matmul(m, expert, xs, bias, out),
         ExpertMatrices::Dense(d) => dense_expert_matmul(d, expert, xs, bias, out),
+        ExpertMatrices::Rows(r) => row_expert_matmul(r, expert, xs, bias, out),
+    }
+}
+
+/// Float expert `e` in `[out, in]` orientation (`y = W[e] x + bias`): each of its row blocks is a
+/// dense matrix product, the blocks' outputs side by side in each token's row.
+pub fn row_expert_matmul(
+    w: &RowExperts,
+    expert: usize,
+    xs: &[f32],
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+) {
+    let blocks = w.matrices(expert);
+    if let [whole] = &blocks[..] {
+        return dense_matmul(whole, xs, bias, out);
+    }
+    let tokens = xs.len() / w.cols;
+    let mut first = 0;
+    for block in &blocks {
+        let mut part = vec![0f32; tokens * block.rows];
+        let bias = bias.map(|b| &b[first..first + block.rows]);
+        dense_matmul(block, xs, bias, &mut part);
+        for (row, part) in out
+            .chunks_exact_mut(w.rows)
+            .zip(part.chunks_exact(block.rows))
+        {
+            row[first..first + block.rows].copy_from_slice(part);
+        }
+        first += block.rows;
     }
 }
 

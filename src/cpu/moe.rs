@@ -1,4 +1,5 @@
-//! Router top-k and the clamped SwiGLU of GPT-OSS experts.
+//! Routers' top-k and the experts' activations: GPT-OSS's top-k-then-softmax and clamped,
+//! interleaved SwiGLU; Qwen3-MoE's softmax-then-top-k and plain SwiGLU over gate and up halves.
 
 /// Experts chosen for one token: ids by descending router logit, and their softmax weights.
 #[derive(Debug, Clone, PartialEq)]
@@ -18,6 +19,45 @@ pub fn route(logits: &[f32], k: usize) -> Routing {
     Routing {
         weights: exps.iter().map(|x| x / sum).collect(),
         experts: order,
+    }
+}
+
+/// A softmax over all the router logits (f32), then the k largest probabilities (ties to the
+/// lower id), divided by their sum where `renormalize`, as transformers' Qwen3-MoE router.
+pub fn route_softmax_first(logits: &[f32], k: usize, renormalize: bool) -> Routing {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f32> = logits.iter().map(|l| (l - max).exp()).collect();
+    let sum: f32 = exps.iter().sum();
+    let probabilities: Vec<f32> = exps.iter().map(|e| e / sum).collect();
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| {
+        probabilities[b]
+            .total_cmp(&probabilities[a])
+            .then(a.cmp(&b))
+    });
+    order.truncate(k);
+    let mut weights: Vec<f32> = order.iter().map(|&e| probabilities[e]).collect();
+    if renormalize {
+        let chosen: f32 = weights.iter().sum();
+        weights.iter_mut().for_each(|w| *w /= chosen);
+    }
+    Routing {
+        experts: order,
+        weights,
+    }
+}
+
+/// `silu(gate) * up` for each row of `rows` gate values then `rows` up values (`[n, 2 rows]`
+/// in, `[n, rows]` out), with `silu(g) = g * sigmoid(g)`.
+pub fn swiglu(gate_up: &[f32], rows: usize, out: &mut [f32]) {
+    for (pair, y) in gate_up
+        .chunks_exact(2 * rows)
+        .zip(out.chunks_exact_mut(rows))
+    {
+        let (gate, up) = pair.split_at(rows);
+        for ((y, g), u) in y.iter_mut().zip(gate).zip(up) {
+            *y = g / (1.0 + (-g).exp()) * u;
+        }
     }
 }
 
@@ -43,6 +83,45 @@ mod tests {
         let z: f64 = [3.0f64, 2.5, 2.0].iter().map(|x| x.exp()).sum();
         for (w, l) in r.weights.iter().zip([3.0f64, 2.5, 2.0]) {
             assert!((*w as f64 - l.exp() / z).abs() < 1e-7);
+        }
+    }
+
+    #[test]
+    fn softmax_first_selects_by_probability_and_renormalizes_where_asked() {
+        let logits = [0.1f32, 3.0, -1.0, 2.0, 2.5];
+        let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+        let p = |l: f64| l.exp() / z;
+        let raw = route_softmax_first(&logits, 3, false);
+        assert_eq!(raw.experts, vec![1, 4, 3]);
+        for (w, l) in raw.weights.iter().zip([3.0, 2.5, 2.0]) {
+            assert!((*w as f64 - p(l)).abs() < 1e-7, "{w} vs {}", p(l));
+        }
+        let normed = route_softmax_first(&logits, 3, true);
+        let top: f64 = [3.0, 2.5, 2.0].map(p).iter().sum();
+        for (w, l) in normed.weights.iter().zip([3.0, 2.5, 2.0]) {
+            assert!((*w as f64 - p(l) / top).abs() < 1e-7);
+        }
+        // Equal logits: the lower id first.
+        assert_eq!(
+            route_softmax_first(&[1.0, 2.0, 2.0], 1, true).experts,
+            vec![1]
+        );
+    }
+
+    #[test]
+    fn plain_swiglu_takes_gate_then_up_halves() {
+        let sig = |x: f32| 1.0 / (1.0 + (-x).exp());
+        let mut out = [0f32; 4];
+        // Two tokens of two units: [gate0, gate1, up0, up1].
+        swiglu(&[10.0, -1.0, 2.0, 3.0, 0.0, 1.0, 5.0, 7.0], 2, &mut out);
+        let want = [
+            10.0 * sig(10.0) * 2.0,
+            -sig(-1.0) * 3.0,
+            0.0,
+            sig(1.0) * 7.0,
+        ];
+        for (got, want) in out.iter().zip(want) {
+            assert!((got - want).abs() <= 1e-6 * want.abs().max(1.0), "{out:?}");
         }
     }
 

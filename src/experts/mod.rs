@@ -24,7 +24,7 @@ use crate::flat_store::{FlatExperts, FlatFormat, ProjectionLayout, Span};
 use crate::pages::PageBuffer;
 use crate::weights::{
     Checkpoint, DenseExperts, ExpertMatrices, FloatFormat, Int4Experts, ModelWeights, Mxfp4Experts,
-    TensorBytes,
+    RowExperts, TensorBytes,
 };
 
 /// One (layer, expert).
@@ -32,6 +32,14 @@ use crate::weights::{
 pub struct ExpertKey {
     pub layer: usize,
     pub expert: usize,
+}
+
+/// A run of bytes in one of the store's files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Extent {
+    file: usize,
+    offset: u64,
+    len: usize,
 }
 
 /// A byte range of expert 0 in a file; expert e's is `e * stride` bytes further.
@@ -43,8 +51,18 @@ struct Part {
     stride: u64,
 }
 
+impl Part {
+    fn of(&self, expert: usize) -> Extent {
+        Extent {
+            file: self.file,
+            offset: self.offset + expert as u64 * self.stride,
+            len: self.len,
+        }
+    }
+}
+
 /// Where one projection's experts live.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum Projection {
     /// MXFP4 (or, from a converted store, INT4) weights and scales.
     Packed {
@@ -60,15 +78,38 @@ enum Projection {
         outputs: usize,
         format: FloatFormat,
     },
+    /// Row-major float experts, each as the runs of its row blocks wherever the checkpoint put
+    /// them (Qwen3-MoE's per-expert tensors).
+    Rows {
+        extents: Arc<[Vec<Extent>]>,
+        rows: usize,
+        cols: usize,
+        format: FloatFormat,
+    },
 }
 
 impl Projection {
-    fn parts(&self) -> Vec<Part> {
-        match *self {
+    /// Where expert `expert`'s bytes lie, in order.
+    fn extents(&self, expert: usize) -> Vec<Extent> {
+        match self {
             Projection::Packed {
                 weights, scales, ..
-            } => vec![weights, scales],
-            Projection::Dense { weights, .. } => vec![weights],
+            } => vec![weights.of(expert), scales.of(expert)],
+            Projection::Dense { weights, .. } => vec![weights.of(expert)],
+            Projection::Rows { extents, .. } => extents[expert].clone(),
+        }
+    }
+
+    /// Bytes of one expert.
+    fn bytes(&self) -> usize {
+        match self {
+            Projection::Packed {
+                weights, scales, ..
+            } => weights.len + scales.len,
+            Projection::Dense { weights, .. } => weights.len,
+            Projection::Rows {
+                rows, cols, format, ..
+            } => rows * cols * format.size(),
         }
     }
 
@@ -80,6 +121,16 @@ impl Projection {
         start: usize,
     ) -> (ExpertMatrices, usize) {
         match *self {
+            Projection::Rows {
+                rows, cols, format, ..
+            } => {
+                let end = start + self.bytes();
+                let blocks = vec![vec![bytes(start..end)]];
+                (
+                    ExpertMatrices::Rows(RowExperts::new((rows, cols), format, blocks)),
+                    end,
+                )
+            }
             Projection::Packed {
                 weights,
                 scales,
@@ -375,19 +426,23 @@ struct Shared {
     records: Option<RecordCheck>,
 }
 
-/// Parts that follow each other in the same file, as one read.
-fn coalesce(parts: &[Part]) -> Vec<Part> {
-    let mut reads: Vec<Part> = Vec::new();
-    for &part in parts {
+fn not_in_files(layer: usize) -> Error {
+    Error::Unsupported(format!(
+        "layer {layer}: expert weights that are not in the checkpoint's files"
+    ))
+}
+
+/// Extents that follow each other in the same file, as one read.
+fn coalesce(extents: &[Extent]) -> Vec<Extent> {
+    let mut reads: Vec<Extent> = Vec::new();
+    for &extent in extents {
         match reads.last_mut() {
             Some(last)
-                if last.file == part.file
-                    && last.stride == part.stride
-                    && last.offset + last.len as u64 == part.offset =>
+                if last.file == extent.file && last.offset + last.len as u64 == extent.offset =>
             {
-                last.len += part.len;
+                last.len += extent.len;
             }
-            _ => reads.push(part),
+            _ => reads.push(extent),
         }
     }
     reads
@@ -408,20 +463,20 @@ impl Shared {
                 pages: 0,
             };
         }
-        let reads = coalesce(&self.parts(key.layer));
+        let reads = coalesce(&self.extents(key));
         let mut segments = Vec::with_capacity(reads.len());
         let mut dest = 0;
-        for part in &reads {
+        for read in &reads {
             // O_DIRECT reads whole pages: a converted store's record is one read from a page
             // boundary, padded to its stride.
             let len = if self.direct {
-                part.len.next_multiple_of(4096)
+                read.len.next_multiple_of(4096)
             } else {
-                part.len
+                read.len
             };
             segments.push(reader::Segment {
-                file: part.file,
-                offset: part.offset + key.expert as u64 * part.stride,
+                file: read.file,
+                offset: read.offset,
                 len,
                 dest,
             });
@@ -433,10 +488,10 @@ impl Shared {
         }
     }
 
-    /// Layer `layer`'s projections' parts, gate_up then down.
-    fn parts(&self, layer: usize) -> Vec<Part> {
-        let (gate_up, down) = &self.layers[layer];
-        gate_up.parts().into_iter().chain(down.parts()).collect()
+    /// Where expert `key`'s bytes lie, gate_up then down.
+    fn extents(&self, key: ExpertKey) -> Vec<Extent> {
+        let (gate_up, down) = &self.layers[key.layer];
+        [gate_up.extents(key.expert), down.extents(key.expert)].concat()
     }
 
     /// Checks an expert's bytes as read into `buffer` (planned by `plan`) and views them.
@@ -455,7 +510,8 @@ impl Shared {
                 down,
             });
         }
-        let total: usize = self.parts(key.layer).iter().map(|p| p.len).sum();
+        let (gate_up, down) = &self.layers[key.layer];
+        let total = gate_up.bytes() + down.bytes();
         if let Some(records) = &self.records {
             // A converted store's record is one read, from its start.
             records.check(key, Some(buffer.bytes()))?;
@@ -696,8 +752,7 @@ impl ExpertStore {
             None => Self::checkpoint_layout(ck, weights)?,
         };
         let record = |(g, d): &(Projection, Projection)| -> u64 {
-            let parts: Vec<Part> = g.parts().into_iter().chain(d.parts()).collect();
-            let len: u64 = parts.iter().map(|p| p.len as u64).sum();
+            let len = (g.bytes() + d.bytes()) as u64;
             if direct_io {
                 len.div_ceil(4096) * 4096
             } else {
@@ -790,7 +845,8 @@ impl ExpertStore {
         Ok(store)
     }
 
-    /// The checkpoint's expert tensors: expert e at `e * len` bytes into each.
+    /// The checkpoint's expert tensors: expert e at `e * len` bytes into each, or each expert's
+    /// own tensors.
     fn checkpoint_layout(ck: &Checkpoint, weights: &ModelWeights) -> Result<StoreLayout> {
         let files = ck
             .shard_paths()
@@ -803,17 +859,22 @@ impl ExpertStore {
         // Expert e of a projection at `e * len` bytes into its tensor, where the checkpoint
         // reader found it.
         let part = |t: &TensorBytes, experts: usize, l: usize| -> Result<Part> {
-            let place = t.origin().ok_or_else(|| {
-                Error::Unsupported(format!(
-                    "layer {l}: expert weights that are not in the checkpoint's files"
-                ))
-            })?;
+            let place = t.origin().ok_or_else(|| not_in_files(l))?;
             let len = t.bytes().len() / experts;
             Ok(Part {
                 file: place.shard,
                 offset: place.offset,
                 len,
                 stride: len as u64,
+            })
+        };
+        // One expert's block, where the checkpoint reader found it.
+        let extent = |t: &TensorBytes, l: usize| -> Result<Extent> {
+            let place = t.origin().ok_or_else(|| not_in_files(l))?;
+            Ok(Extent {
+                file: place.shard,
+                offset: place.offset,
+                len: t.bytes().len(),
             })
         };
         let mut layers = Vec::with_capacity(weights.layers.len());
@@ -832,6 +893,14 @@ impl ExpertStore {
                         inputs: d.inputs,
                         outputs: d.outputs,
                         format: d.format,
+                    },
+                    ExpertMatrices::Rows(r) => Projection::Rows {
+                        extents: (r.blocks.iter())
+                            .map(|blocks| blocks.iter().map(|b| extent(b, l)).collect())
+                            .collect::<Result<_>>()?,
+                        rows: r.rows,
+                        cols: r.cols,
+                        format: r.format,
                     },
                     ExpertMatrices::Int4(_) => {
                         return Err(Error::Unsupported(
@@ -878,7 +947,7 @@ impl ExpertStore {
         // `plan` pads each run of an O_DIRECT read to whole pages: the views find their bytes
         // only where an expert is one run.
         let one_run = |(gate_up, down): &(Projection, Projection)| {
-            coalesce(&[gate_up.parts(), down.parts()].concat()).len() == 1
+            coalesce(&[gate_up.extents(0), down.extents(0)].concat()).len() == 1
         };
         if direct_io && !layers.iter().all(one_run) {
             return Err(Error::Unsupported(

@@ -476,14 +476,20 @@ struct ExpertLayout {
 }
 
 impl ExpertLayout {
-    fn of(m: &ExpertMatrices) -> ExpertLayout {
+    /// The layout of `m`'s experts; an error for a format no expert kernel reads.
+    fn of(m: &ExpertMatrices) -> Result<ExpertLayout> {
         let (expert_bytes, scale_bytes) = m.part_sizes();
         let kind = match m {
             ExpertMatrices::Mxfp4(_) => ("EXPERTS", "MXFP4"),
             ExpertMatrices::Int4(_) => ("EXPERTS", "INT4"),
             ExpertMatrices::Dense(d) => ("EXPERTS_UNQUANTIZED", format_define(d.format)),
+            ExpertMatrices::Rows(_) => {
+                return Err(Error::Gpu(
+                    "no GPU kernel reads row-major float experts (Qwen3-MoE's) yet".into(),
+                ));
+            }
         };
-        ExpertLayout {
+        Ok(ExpertLayout {
             defines: [
                 (kind.0, "1".into()),
                 (kind.1, "1".into()),
@@ -493,7 +499,7 @@ impl ExpertLayout {
             cols: m.inputs(),
             expert_bytes,
             scale_bytes,
-        }
+        })
     }
 }
 
@@ -528,7 +534,7 @@ impl GpuExperts {
 
     /// Uploads every expert of whatever format the checkpoint stores.
     pub fn upload(ctx: &GpuContext, name: &str, m: &ExpertMatrices) -> Result<GpuExperts> {
-        let layout = ExpertLayout::of(m);
+        let layout = ExpertLayout::of(m)?;
         let has_scales = layout.scale_bytes > 0;
         Self::build(ctx, name, layout, m.experts(), |first, n| {
             let upload = |w: &[u8], s: Option<&[u8]>| {
@@ -557,7 +563,7 @@ impl GpuExperts {
         like: &ExpertMatrices,
         slots: usize,
     ) -> Result<GpuExperts> {
-        let layout = ExpertLayout::of(like);
+        let layout = ExpertLayout::of(like)?;
         let (eb, sb) = (layout.expert_bytes, layout.scale_bytes);
         if slots > 0 && (!eb.is_multiple_of(4) || !sb.is_multiple_of(4)) {
             return Err(Error::Gpu(format!(

@@ -52,6 +52,16 @@ pub trait Tier {
         x: &Self::Act,
     ) -> Result<[Self::Act; N]>;
 
+    /// RMSNorm of each of the `heads` heads of every row of `x` with layer `layer`'s per-head
+    /// weights of `projection` (Qwen3's `q_norm` and `k_norm`).
+    fn head_norm(
+        &mut self,
+        layer: usize,
+        projection: Projection,
+        x: &mut Self::Act,
+        heads: usize,
+    ) -> Result<()>;
+
     /// Rotary embedding of every head of every row of `x`, at the block's positions.
     fn rope(&mut self, x: &mut Self::Act, heads: usize) -> Result<()>;
 
@@ -108,6 +118,10 @@ pub fn decoder_layer<T: Tier>(
     let normed = tier.rms_norm(layer, Norm::Input, hidden)?;
     let qkv = [Projection::Query, Projection::Key, Projection::Value];
     let [mut queries, mut keys, values] = tier.project(layer, qkv, &normed)?;
+    if attention.head_norms {
+        tier.head_norm(layer, Projection::Query, &mut queries, attention.heads)?;
+        tier.head_norm(layer, Projection::Key, &mut keys, attention.kv_heads)?;
+    }
     tier.rope(&mut queries, attention.heads)?;
     tier.rope(&mut keys, attention.kv_heads)?;
     let attended = tier.attention(layer, attention, &queries, &keys, &values)?;
@@ -180,6 +194,20 @@ impl<T: Tier> Tier for Recording<T> {
     ) -> Result<[T::Act; N]> {
         self.log(Some(layer), format!("project {projections:?}"));
         self.inner.project(layer, projections, x)
+    }
+
+    fn head_norm(
+        &mut self,
+        layer: usize,
+        projection: Projection,
+        x: &mut T::Act,
+        heads: usize,
+    ) -> Result<()> {
+        self.log(
+            Some(layer),
+            format!("head_norm {projection:?} {heads} heads"),
+        );
+        self.inner.head_norm(layer, projection, x, heads)
     }
 
     fn rope(&mut self, x: &mut T::Act, heads: usize) -> Result<()> {

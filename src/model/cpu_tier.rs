@@ -9,7 +9,7 @@ use rayon::prelude::*;
 
 use super::block::{Norm, Point, Projection, Tier};
 use super::{KvCache, LayerTrace, Model, PrefetchProxy};
-use crate::arch::{Activation, AttentionSpec, ExpertSpec, Gating, RouterSpec};
+use crate::arch::{AttentionSpec, ExpertSpec, RouterSpec};
 use crate::cpu::attention::{HeadLayout, attend_group, first_visible_key};
 use crate::cpu::matmul::{add_into, dense_matmul};
 use crate::cpu::moe::Routing;
@@ -214,6 +214,30 @@ impl Tier for CpuTier<'_> {
         Ok(outs)
     }
 
+    fn head_norm(
+        &mut self,
+        layer: usize,
+        projection: Projection,
+        x: &mut Vec<f32>,
+        _heads: usize,
+    ) -> Result<()> {
+        let w = &self.model.weights.layers[layer];
+        let weights = match projection {
+            Projection::Query => &w.q_norm,
+            Projection::Key => &w.k_norm,
+            Projection::Value | Projection::Output => &None,
+        };
+        let Some(weights) = weights else {
+            return Err(crate::error::Error::Unsupported(format!(
+                "layer {layer} has no per-head norm of {projection:?}"
+            )));
+        };
+        // Each head is a row of `head_dim` values: the norm's weights are that long.
+        let heads = x.clone();
+        rms_norm(&heads, weights, self.model.config.rms_norm_eps, x);
+        Ok(())
+    }
+
     fn rope(&mut self, x: &mut Vec<f32>, heads: usize) -> Result<()> {
         let width = heads * self.model.config.head_dim;
         let rope = &self.model.rope;
@@ -241,7 +265,7 @@ impl Tier for CpuTier<'_> {
         let (d, qd) = (spec.head_dim, spec.heads * spec.head_dim);
         let kvd = spec.kv_heads * d;
         let (start, n) = (self.start, queries.len() / qd);
-        let sinks = &self.model.weights.layers[layer].sinks;
+        let sinks = self.model.weights.layers[layer].sinks.as_deref();
         let mut out = vec![0f32; n * qd];
         // Keys and values as the cache holds them, the block's own included.
         let rounded = match self.model.kv_format {
@@ -294,7 +318,7 @@ impl Tier for CpuTier<'_> {
 
     fn route(&mut self, layer: usize, spec: &RouterSpec, x: &Vec<f32>) -> Result<Vec<Routing>> {
         let started = std::time::Instant::now();
-        let Gating::TopKThenSoftmax = spec.gating;
+        debug_assert_eq!(*spec, self.model.layer_specs[layer].router);
         let routings = self.model.route_tokens(layer, x);
         super::CpuTimings::add(&self.model.timings.experts_us, started);
         Ok(routings)
@@ -312,7 +336,7 @@ impl Tier for CpuTier<'_> {
         routings: &Vec<Routing>,
     ) -> Result<Vec<f32>> {
         let started = std::time::Instant::now();
-        let Activation::ClampedSwiglu { .. } = spec.activation;
+        debug_assert_eq!(*spec, self.model.layer_specs[layer].experts);
         let model = self.model;
         let h = spec.hidden;
         let n = x.len() / h;

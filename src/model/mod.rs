@@ -14,10 +14,10 @@ use std::path::Path;
 
 use rayon::prelude::*;
 
-use crate::arch::Activation;
+use crate::arch::{Activation, Gating};
 use crate::config::Config;
 use crate::cpu::matmul::{dense_matmul, expert_matmul_as};
-use crate::cpu::moe::{Routing, clamped_swiglu, route};
+use crate::cpu::moe::{Routing, clamped_swiglu, route, route_softmax_first, swiglu};
 use crate::cpu::norm::rms_norm;
 use crate::cpu::rope::RopeTable;
 use crate::error::Result;
@@ -359,7 +359,7 @@ impl Model {
             },
         )?;
         let rope = RopeTable::new(&config);
-        let layer_specs = crate::arch::Family::of(&config).layers(&config);
+        let layer_specs = config.family.layers(&config);
         Ok(Model {
             config,
             checkpoint,
@@ -390,6 +390,10 @@ impl Model {
             Some("--expert-activations q8")
         } else if self.weights.experts_interleaved() {
             Some("a model loaded for the CPU tier (experts laid out for its kernel)")
+        } else if self.config.family != crate::arch::Family::GptOss {
+            // The GPU kernels of the family's ops (head norms, its router and SwiGLU, row-major
+            // bf16 experts) are not built yet.
+            Some("a qwen3_moe model")
         } else {
             None
         }
@@ -580,11 +584,14 @@ impl Model {
         let layer = &self.weights.layers[l];
         let n = x.len() / self.config.hidden_size;
         let mut logits = vec![0f32; n * spec.experts];
-        dense_matmul(&layer.router, x, Some(&layer.router_bias), &mut logits);
-        logits
-            .chunks_exact(spec.experts)
-            .map(|l| route(l, spec.top_k))
-            .collect()
+        dense_matmul(&layer.router, x, layer.router_bias.as_deref(), &mut logits);
+        let route_one = |l: &[f32]| match spec.gating {
+            Gating::TopKThenSoftmax => route(l, spec.top_k),
+            Gating::SoftmaxThenTopK { renormalize } => {
+                route_softmax_first(l, spec.top_k, renormalize)
+            }
+        };
+        logits.chunks_exact(spec.experts).map(route_one).collect()
     }
 
     /// Guesses layer `l`'s experts for each row of `proxy` (a stand-in for its MoE input; the
@@ -677,19 +684,26 @@ impl Model {
     /// and routing weight not: `[rows, hidden]`.
     pub fn run_expert(&self, l: usize, e: usize, expert: &ExpertData, xs: &[f32]) -> Vec<f32> {
         let (layer, spec) = (&self.weights.layers[l], &self.layer_specs[l].experts);
-        let Activation::ClampedSwiglu { alpha, limit } = spec.activation;
         let (h, i) = (spec.hidden, spec.intermediate);
         let m = xs.len() / h;
         let mut gate_up = vec![0f32; m * 2 * i];
-        let gate_up_bias = &layer.gate_up_bias[e * 2 * i..(e + 1) * 2 * i];
+        let gate_up_bias = layer
+            .gate_up_bias
+            .as_deref()
+            .map(|b| &b[e * 2 * i..][..2 * i]);
         let product = |m, xs: &[f32], bias, out: &mut [f32]| {
-            expert_matmul_as(self.expert_activations, m, 0, xs, Some(bias), out)
+            expert_matmul_as(self.expert_activations, m, 0, xs, bias, out)
         };
         product(&expert.gate_up, xs, gate_up_bias, &mut gate_up);
         let mut activated = vec![0f32; m * i];
-        clamped_swiglu(&gate_up, alpha, limit, &mut activated);
+        match spec.activation {
+            Activation::ClampedSwiglu { alpha, limit } => {
+                clamped_swiglu(&gate_up, alpha, limit, &mut activated)
+            }
+            Activation::Swiglu => swiglu(&gate_up, i, &mut activated),
+        }
         let mut down = vec![0f32; m * h];
-        let down_bias = &layer.down_bias[e * h..(e + 1) * h];
+        let down_bias = layer.down_bias.as_deref().map(|b| &b[e * h..][..h]);
         product(&expert.down, &activated, down_bias, &mut down);
         down
     }

@@ -30,22 +30,44 @@ pub fn fixtures_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
 }
 
-/// Every committed fixture checkpoint (a directory with a `reference.json`), or those under
-/// `$PICCHIO_FIXTURES` when set (e.g. `tools/make_fixtures.py --random N --out DIR`).
-pub fn fixture_dirs() -> Vec<PathBuf> {
-    let extra = std::env::var_os("PICCHIO_FIXTURES").map(PathBuf::from);
-    let root = extra.clone().unwrap_or_else(fixtures_dir);
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.join("reference.json").is_file())
-        .collect();
+/// Where the fixtures are: the committed ones, or those under `$PICCHIO_FIXTURES` when set (e.g.
+/// `tools/make_fixtures.py --random N --out DIR`).
+fn fixtures_root() -> PathBuf {
+    std::env::var_os("PICCHIO_FIXTURES")
+        .map(PathBuf::from)
+        .unwrap_or_else(fixtures_dir)
+}
+
+/// The fixture checkpoints in `dir` (directories with a `reference.json`), sorted.
+fn checkpoints_in(dir: &Path) -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map(|entries| entries.map(|e| e.unwrap().path()).collect())
+        .unwrap_or_default();
+    dirs.retain(|p| p.join("reference.json").is_file());
     dirs.sort();
+    dirs
+}
+
+/// Every GPT-OSS fixture checkpoint.
+pub fn fixture_dirs() -> Vec<PathBuf> {
+    let dirs = checkpoints_in(&fixtures_root());
     assert!(
         dirs.len() >= 3,
         "expected at least 3 fixtures, found {dirs:?}"
     );
     dirs
+}
+
+/// Every Qwen3-MoE fixture checkpoint (`qwen3-moe/` beside the GPT-OSS ones).
+pub fn qwen3_fixture_dirs() -> Vec<PathBuf> {
+    let dirs = checkpoints_in(&fixtures_root().join("qwen3-moe"));
+    assert!(!dirs.is_empty(), "expected Qwen3-MoE fixtures");
+    dirs
+}
+
+/// Every fixture of every family: what the CPU tier runs.
+pub fn every_family_fixture_dirs() -> Vec<PathBuf> {
+    [fixture_dirs(), qwen3_fixture_dirs()].concat()
 }
 
 #[derive(Debug, Deserialize)]

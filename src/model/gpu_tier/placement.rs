@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
+use super::weights::gpt_oss_part;
 use super::{GpuModel, MissPolicy};
 use crate::cpu::moe::Routing;
 use crate::error::{Error, Result};
@@ -419,8 +420,9 @@ impl GpuModel<'_> {
         self.weights.ctx.count_expert_upload()?;
         pool.gate_up.write_slot(queue, slot, &expert.gate_up)?;
         pool.down.write_slot(queue, slot, &expert.down)?;
-        let gate_up_bias = &layer.gate_up_bias[e * 2 * i..(e + 1) * 2 * i];
-        let down_bias = &layer.down_bias[e * h..(e + 1) * h];
+        let gate_up_bias =
+            &gpt_oss_part(&layer.gate_up_bias, "expert biases")?[e * 2 * i..][..2 * i];
+        let down_bias = &gpt_oss_part(&layer.down_bias, "expert biases")?[e * h..][..h];
         let biases = [
             (&pool.gate_up_bias, slot * 2 * i, gate_up_bias),
             (&pool.down_bias, slot * h, down_bias),

@@ -160,7 +160,9 @@ impl<'g, 'm> PlanRecorder<'g, 'm> {
         let Some(resident) = &gpu.weights.layers[layer].experts else {
             return Ok(None);
         };
-        let Activation::ClampedSwiglu { alpha, limit } = spec.activation;
+        let Activation::ClampedSwiglu { alpha, limit } = spec.activation else {
+            return Err(not_on_gpu("a plain SwiGLU"));
+        };
         let (ctx, gate_up) = (&gpu.weights.ctx, &resident.gate_up);
         let input = (x.packed("experts")?, n, gpu.config.experts_per_token);
         let bias = Some(&resident.gate_up_bias);
@@ -245,6 +247,10 @@ impl Tier for PlanRecorder<'_, '_> {
     type Experts = GpuAct;
 
     /// Deferred: the product or the router after it may take it into its own kernel.
+    fn head_norm(&mut self, _: usize, _: Projection, _: &mut GpuAct, _: usize) -> Result<()> {
+        Err(not_on_gpu("per-head norms"))
+    }
+
     fn rms_norm(&mut self, layer: usize, norm: Norm, x: &GpuAct) -> Result<GpuAct> {
         self.flush()?;
         x.packed("rms_norm")?;
@@ -419,7 +425,9 @@ impl Tier for PlanRecorder<'_, '_> {
     /// the router fits one binding), else the three kernels.
     fn route(&mut self, layer: usize, spec: &RouterSpec, x: &GpuAct) -> Result<GpuRouting> {
         let (gpu, a, n) = (self.gpu, &self.gpu.act, self.n);
-        let Gating::TopKThenSoftmax = spec.gating;
+        let Gating::TopKThenSoftmax = spec.gating else {
+            return Err(not_on_gpu("a softmax-then-top-k router"));
+        };
         let w = &gpu.weights.layers[layer];
         let router = RouterWeights {
             matrix: &w.router,
@@ -492,7 +500,9 @@ impl Tier for PlanRecorder<'_, '_> {
             return Ok(experts);
         }
         let (gpu, a, n) = (self.gpu, &self.gpu.act, self.n);
-        let Activation::ClampedSwiglu { alpha, limit } = spec.activation;
+        let Activation::ClampedSwiglu { alpha, limit } = spec.activation else {
+            return Err(not_on_gpu("a plain SwiGLU"));
+        };
         let k = gpu.config.experts_per_token;
         let pairs = n * k;
         let w = &gpu.weights.layers[layer];
@@ -626,4 +636,10 @@ fn qkv_rows<'b>(queries: &'b GpuAct, keys: &GpuAct, values: &GpuAct) -> Result<Q
         rotate_query: queries.rotate,
         rotate_key: keys.rotate,
     })
+}
+
+/// The error for an op of a family the GPU tier does not run yet (`Model::cpu_only_mode` keeps
+/// such models on the CPU tier; this guards library callers).
+fn not_on_gpu(op: &str) -> Error {
+    Error::Unsupported(format!("the GPU tier has no kernel for {op} yet"))
 }

@@ -70,6 +70,14 @@ pub(super) fn f32s(ctx: &GpuContext, label: &str, values: &[f32]) -> Result<wgpu
     ctx.try_upload_f32(label, values)
 }
 
+/// A GPT-OSS layer's `values` (sinks, biases), which every layer the GPU tier runs has
+/// (`Model::cpu_only_mode` keeps other families on the CPU tier).
+pub(super) fn gpt_oss_part<'a>(values: &'a Option<Vec<f32>>, what: &str) -> Result<&'a [f32]> {
+    values
+        .as_deref()
+        .ok_or_else(|| Error::Unsupported(format!("the GPU tier needs a layer's {what}")))
+}
+
 /// Runs `operation` with out-of-memory errors caught; `what` names what did not fit.
 pub(super) fn catching_oom<T>(
     device: &wgpu::Device,
@@ -256,9 +264,17 @@ impl<'m> GpuWeights<'m> {
                 let name = |s: &str| format!("layer {l} {s}");
                 layer.experts = Some(ResidentExperts {
                     gate_up: GpuExperts::upload(ctx, &name("gate_up"), &w.gate_up)?,
-                    gate_up_bias: f32s(ctx, &name("gate_up bias"), &w.gate_up_bias)?,
+                    gate_up_bias: f32s(
+                        ctx,
+                        &name("gate_up bias"),
+                        gpt_oss_part(&w.gate_up_bias, "expert biases")?,
+                    )?,
                     down: GpuExperts::upload(ctx, &name("down"), &w.down)?,
-                    down_bias: f32s(ctx, &name("down bias"), &w.down_bias)?,
+                    down_bias: f32s(
+                        ctx,
+                        &name("down bias"),
+                        gpt_oss_part(&w.down_bias, "expert biases")?,
+                    )?,
                 });
             }
             Ok(())
@@ -335,9 +351,13 @@ fn upload_layer(ctx: &GpuContext, l: usize, w: &crate::weights::LayerWeights) ->
         qkv_bias: stacked_bias(ctx, &name("q/k/v bias"), w)?,
         o: GpuMatrix::upload(ctx, &name("o"), &w.o)?,
         o_bias: optional(&w.o_bias, "o bias")?,
-        sinks: f32s(ctx, &name("sinks"), &w.sinks)?,
+        sinks: f32s(ctx, &name("sinks"), gpt_oss_part(&w.sinks, "sinks")?)?,
         router: GpuMatrix::upload(ctx, &name("router"), &w.router)?,
-        router_bias: f32s(ctx, &name("router bias"), &w.router_bias)?,
+        router_bias: f32s(
+            ctx,
+            &name("router bias"),
+            gpt_oss_part(&w.router_bias, "router bias")?,
+        )?,
         experts: None,
     })
 }
