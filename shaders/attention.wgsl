@@ -1,4 +1,5 @@
-// Causal attention with per-head sinks and an optional sliding window, over a KV cache on the GPU.
+// Causal attention with per-head sinks (SINKS: GPT-OSS; without, a plain softmax) and an optional
+// sliding window, over a KV cache on the GPU.
 //
 // The block's queries, keys and values are rows of one buffer (the stacked q/k/v product): row t
 // holds them at q_offset, k_offset and v_offset, row_stride floats apart. Where rotate_q/rotate_k
@@ -84,7 +85,9 @@ const ROW: u32 = HEAD_DIM + 1u;     // a tile row, padded so lanes reading a col
 @group(0) @binding(5) var<storage, read_write> k_cache: array<f32>;
 @group(0) @binding(6) var<storage, read_write> v_cache: array<f32>;
 #endif
+#if SINKS
 @group(0) @binding(7) var<storage, read> sinks: array<f32>;
+#endif
 #if SPLIT
 @group(0) @binding(8) var<storage, read_write> partials: array<f32>;
 #else
@@ -360,11 +363,16 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
             }
         }
 #else
+#if SINKS
         // The sink: one more logit, no value.
         let sink = sinks[head];
         let final_max = max(m, sink);
         let scale = exp(m - final_max);
         let denominator = l * scale + exp(sink - final_max);
+#else
+        let scale = 1.0;
+        let denominator = l;
+#endif
         for (var k = 0u; k < DIMS_PER_LANE; k = k + 1u) {
             let dim = lid + k * WG;
             if (dim < HEAD_DIM) {
@@ -377,7 +385,9 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
 #endif
 
 #if MERGE
+#if SINKS
 @group(0) @binding(7) var<storage, read> sinks: array<f32>;
+#endif
 @group(0) @binding(8) var<storage, read_write> out: array<f32>;
 @group(0) @binding(9) var<storage, read> partials: array<f32>;
 
@@ -387,12 +397,20 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
 fn merge(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
     let t = wg.x;
     let head = wg.y;
+#if SINKS
     let sink = sinks[head];
     var final_max = sink;
+#else
+    var final_max = partials[record_at(t, head, 0u)];
+#endif
     for (var s = 0u; s < p.splits; s = s + 1u) {
         final_max = max(final_max, partials[record_at(t, head, s)]);
     }
+#if SINKS
     var denominator = exp(sink - final_max);
+#else
+    var denominator = 0.0;
+#endif
     for (var s = 0u; s < p.splits; s = s + 1u) {
         let record = record_at(t, head, s);
         denominator = denominator + partials[record + 1u] * exp(partials[record] - final_max);

@@ -12,6 +12,8 @@
 //   norm costs no pass of its own.
 // Entry `experts_unquantized`: the same for float experts stored [E, in, out] (transformers'
 //   orientation, as save_pretrained writes unquantized GPT-OSS), BF16/F16/F32.
+// Entry `experts_rows` (EXPERTS_ROWS): the same for float experts stored [E, out, in]
+//   (Qwen3-MoE's), BF16/F16/F32.
 // Entry `experts`: for every (token, slot) pair p, with e = ids[p] the routed expert,
 //   y[p][r] = W[e][r] . x[p / x_div] + bias[e][r], for experts quantized as MXFP4 (MXFP4: E2M1
 //   nibbles, low nibble first, one E8M0 scale byte per 32 inputs) or group-scaled INT4 (INT4: signed
@@ -63,6 +65,9 @@ struct Params {
 @group(0) @binding(6) var<storage, read> ids: array<u32>;
 #endif
 #if EXPERTS_UNQUANTIZED
+@group(0) @binding(5) var<storage, read> ids: array<u32>;
+#endif
+#if EXPERTS_ROWS
 @group(0) @binding(5) var<storage, read> ids: array<u32>;
 #endif
 
@@ -505,6 +510,26 @@ fn experts_unquantized(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invo
     var acc = 0.0;
     for (var c = lid; c < p.cols; c = c + WG) {
         acc = acc + weight(base + c * p.rows) * x[xb + c];
+    }
+    finish_expert_row(lid, acc, e, r, pair);
+}
+#endif
+
+#if EXPERTS_ROWS
+@compute @workgroup_size(64)
+fn experts_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) lid: u32) {
+    let r = wg.x + wg.y * p.groups_x;
+    let pair = wg.z;
+    let e = routed_expert(lid, pair);
+    if (!expert_row_here(r, e)) {
+        return;
+    }
+    // Row r of expert e's [rows, cols] matrix.
+    let base = ((e - p.expert_first) * p.rows + r) * p.cols;
+    let xb = (pair / p.x_div) * p.x_stride;
+    var acc = 0.0;
+    for (var c = lid; c < p.cols; c = c + WG) {
+        acc = acc + weight(base + c) * x[xb + c];
     }
     finish_expert_row(lid, acc, e, r, pair);
 }

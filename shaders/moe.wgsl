@@ -2,7 +2,8 @@
 // router.wgsl.
 //
 // Entry `swiglu`: act[p][i] = (clamp(up, -l, l) + 1) * g * sigmoid(alpha * g), g = min(gate, l),
-//   over interleaved gate/up rows [p][2i], [p][2i + 1].
+//   over interleaved gate/up rows [p][2i], [p][2i + 1]; with PLAIN (Qwen3-MoE),
+//   act[p][i] = silu(gate) * up over gate rows [p][i] then up rows [p][width + i].
 // Entry `combine`: hidden[t] += sum over the token's experts, in ascending expert id (the order
 //   transformers adds them), of weight * down[t * k + s].
 
@@ -31,7 +32,14 @@ fn swiglu(@builtin(global_invocation_id) gid: vec3<u32>) {
     if (index >= p.tokens * p.width) {
         return;
     }
+#if PLAIN
+    let row = index / p.width;
+    let gate = gate_up[index + row * p.width];
+    let up = gate_up[index + (row + 1u) * p.width];
+    act[index] = gate / (1.0 + exp(-gate)) * up;
+#else
     act[index] = clamped_swiglu(gate_up[2u * index], gate_up[2u * index + 1u], p.alpha, p.limit);
+#endif
 }
 #endif
 

@@ -1,11 +1,13 @@
 // The router: the experts each token goes to, and their weights.
 //
 // Entry `route`: per token, top-k of the router logits (descending, ties to the lower id) and a
-//   softmax over the k selected: ids[t * k + s], weights[t * k + s].
+//   softmax over the k selected: ids[t * k + s], weights[t * k + s]. With SOFTMAX_FIRST
+//   (Qwen3-MoE), the weights are the chosen experts' probabilities under a softmax over every
+//   expert instead, divided by their sum with RENORMALIZE.
 // Entry `route_normed` (NORMED, with BF16, F16 or F32 naming the router's weights): the whole
 //   router of a token in one workgroup: RMSNorm of its residual row (written to `normed`, which
 //   the experts read; rms.wgsl, as norm.wgsl), the router product with its bias into
-//   `logits`, then `route`'s top-k and softmax. One dispatch instead of three; the router's
+//   `logits` (BIAS: the router has one), then `route`'s top-k and softmax. One dispatch instead of three; the router's
 //   weights are small (experts x hidden), so one workgroup per token reads them fast enough.
 // Entry `sort_pairs` (SORT): a prompt block's pairs listed by expert, in tiles (below).
 
@@ -56,7 +58,25 @@ fn select_top_k(t: u32) {
         previous_value = best_value;
         previous_id = best_id;
     }
+    // The first pick is the largest logit of all.
     let max_value = weights[t * p.top_k];
+#if SOFTMAX_FIRST
+    var all = 0.0;
+    for (var e = 0u; e < p.experts; e = e + 1u) {
+        all = all + exp(logits[base + e] - max_value);
+    }
+    var chosen = 0.0;
+    for (var s = 0u; s < p.top_k; s = s + 1u) {
+        let probability = exp(weights[t * p.top_k + s] - max_value) / all;
+        weights[t * p.top_k + s] = probability;
+        chosen = chosen + probability;
+    }
+#if RENORMALIZE
+    for (var s = 0u; s < p.top_k; s = s + 1u) {
+        weights[t * p.top_k + s] = weights[t * p.top_k + s] / chosen;
+    }
+#endif
+#else
     var sum = 0.0;
     for (var s = 0u; s < p.top_k; s = s + 1u) {
         let e = exp(weights[t * p.top_k + s] - max_value);
@@ -66,6 +86,7 @@ fn select_top_k(t: u32) {
     for (var s = 0u; s < p.top_k; s = s + 1u) {
         weights[t * p.top_k + s] = weights[t * p.top_k + s] / sum;
     }
+#endif
 }
 
 @compute @workgroup_size(64)
@@ -81,7 +102,18 @@ fn route(@builtin(global_invocation_id) gid: vec3<u32>) {
 @group(0) @binding(5) var<storage, read> norm_weight: array<f32>;
 @group(0) @binding(6) var<storage, read_write> normed: array<f32>;
 @group(0) @binding(7) var<storage, read> w: array<u32>;
+#if BIAS
 @group(0) @binding(8) var<storage, read> bias: array<f32>;
+#endif
+
+// The router's bias of expert e (0 without one).
+fn router_bias(e: u32) -> f32 {
+#if BIAS
+    return bias[e];
+#else
+    return 0.0;
+#endif
+}
 
 var<workgroup> partial: array<f32, WG * TILE>;
 
@@ -141,7 +173,7 @@ fn route_normed(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_
         }
         reduce_tile(lid);
         if (lid < TILE && first + lid < p.experts) {
-            logits[t * p.experts + first + lid] = partial[lid * WG] + bias[first + lid];
+            logits[t * p.experts + first + lid] = partial[lid * WG] + router_bias(first + lid);
         }
         workgroupBarrier();
     }

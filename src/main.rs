@@ -1245,10 +1245,7 @@ fn inspect(dir: &std::path::Path, json: bool) -> Result<()> {
         "dense (attention, norms, routers, excluding embeddings/head): {}",
         human(dense)
     );
-    println!(
-        "experts (mxfp4 blocks + scales + biases): {}",
-        human(experts)
-    );
+    println!("experts (weights, scales, biases): {}", human(experts));
     println!(
         "embeddings: {}   lm_head: {}",
         human(embedding),
@@ -1262,7 +1259,8 @@ fn inspect(dir: &std::path::Path, json: bool) -> Result<()> {
         human(embedding + lm_head + dense + experts + unknown)
     );
     println!(
-        "config: {} layers, hidden {}, {} heads x {} (kv {}), {} experts top-{}, intermediate {}, vocab {}",
+        "config: {}, {} layers, hidden {}, {} heads x {} (kv {}), {} experts top-{}, intermediate {}, vocab {}",
+        cfg.family.model_type(),
         cfg.num_layers,
         cfg.hidden_size,
         cfg.num_heads,

@@ -1126,6 +1126,19 @@ impl ExpertMatrices {
         }
     }
 
+    /// Expert `e`'s weight bytes as the pieces that follow each other in its matrix (one, but
+    /// for a Qwen3-MoE expert whose gate and up tensors lie apart), and its scale bytes (absent
+    /// for float experts).
+    pub fn expert_pieces(&self, e: usize) -> (Vec<&[u8]>, Option<&[u8]>) {
+        match self {
+            ExpertMatrices::Rows(r) => (r.blocks[e].iter().map(TensorBytes::bytes).collect(), None),
+            _ => {
+                let (weights, scales) = self.expert_parts(e);
+                (vec![weights], scales)
+            }
+        }
+    }
+
     /// The weight bytes and the scale bytes (absent for float experts) of expert `e`.
     pub fn expert_parts(&self, e: usize) -> (&[u8], Option<&[u8]>) {
         self.expert_run(e..e + 1)

@@ -7,6 +7,7 @@
 
 mod common;
 
+use picchio::arch::{Activation, Gating};
 use picchio::cpu;
 use picchio::formats::KvFormat;
 use picchio::gpu::GpuContext;
@@ -66,16 +67,27 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
             &["EXPERTS_UNQUANTIZED", "BF16", "EXPERT_PAIRS"],
             &["EXPERTS_UNQUANTIZED", "F16", "EXPERT_PAIRS"],
             &["EXPERTS_UNQUANTIZED", "F32", "EXPERT_PAIRS"],
+            &["EXPERTS_ROWS", "BF16", "EXPERT_PAIRS"],
+            &["EXPERTS_ROWS", "F16", "EXPERT_PAIRS"],
+            &["EXPERTS_ROWS", "F32", "EXPERT_PAIRS"],
         ],
     ),
-    ("norm.wgsl", &[&[]]),
+    ("norm.wgsl", &[&[], &["HEADS"]]),
     ("subgroup_probe.wgsl", &[&[]]),
     (
         "attention.wgsl",
         &[
-            &["ATTEND", "HEAD_DIM=64", "GROUP=8", "TILE=32"],
-            &["ATTEND", "HEAD_DIM=64", "GROUP=8", "TILE=32", "KV_F16"],
+            &["ATTEND", "HEAD_DIM=64", "GROUP=8", "TILE=32", "SINKS"],
+            &[
+                "ATTEND",
+                "HEAD_DIM=64",
+                "GROUP=8",
+                "TILE=32",
+                "KV_F16",
+                "SINKS",
+            ],
             &["ATTEND", "HEAD_DIM=64", "GROUP=8", "TILE=32", "SPLIT"],
+            &["ATTEND", "HEAD_DIM=128", "GROUP=8", "TILE=16"],
             &[
                 "ATTEND",
                 "HEAD_DIM=128",
@@ -84,12 +96,16 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
                 "SPLIT",
                 "KV_F16",
             ],
-            &["ATTEND", "HEAD_DIM=96", "GROUP=1", "TILE=64"],
-            &["MERGE", "HEAD_DIM=64"],
-            &["MERGE", "HEAD_DIM=256"],
+            &["ATTEND", "HEAD_DIM=96", "GROUP=1", "TILE=64", "SINKS"],
+            &["MERGE", "HEAD_DIM=64", "SINKS"],
+            &["MERGE", "HEAD_DIM=256", "SINKS"],
+            &["MERGE", "HEAD_DIM=128"],
         ],
     ),
-    ("moe.wgsl", &[&["SWIGLU"], &["COMBINE"]]),
+    (
+        "moe.wgsl",
+        &[&["SWIGLU"], &["SWIGLU", "PLAIN"], &["COMBINE"]],
+    ),
     (
         "experts.wgsl",
         &[
@@ -117,9 +133,12 @@ const VARIANTS: &[(&str, &[&[&str]])] = &[
         "router.wgsl",
         &[
             &[],
-            &["NORMED", "BF16"],
-            &["NORMED", "F16"],
-            &["NORMED", "F32"],
+            &["SOFTMAX_FIRST"],
+            &["SOFTMAX_FIRST", "RENORMALIZE"],
+            &["NORMED", "BF16", "BIAS"],
+            &["NORMED", "F16", "BIAS"],
+            &["NORMED", "F32", "BIAS"],
+            &["NORMED", "BF16", "SOFTMAX_FIRST", "RENORMALIZE"],
             &["SORT", "EXPERTS=32", "TILE_PAIRS=32"],
             &["SORT", "EXPERTS=128", "TILE_PAIRS=32"],
         ],
@@ -671,6 +690,47 @@ fn rms_norm_matches_cpu() {
     }
 }
 
+/// Qwen3's per-head norms of the stacked q/k/v product's rows, in place: the queries' heads and
+/// the keys' (a view at an offset, rows `stride` floats apart), the values untouched.
+#[test]
+fn head_norm_matches_cpu() {
+    use picchio::gpu::kernels::{RowView, prepare_head_norm};
+    let Some(ctx) = gpu(None) else { return };
+    for (tokens, heads, kv_heads, head_dim) in [(1, 32, 4, 128), (5, 4, 2, 16), (3, 2, 1, 72)] {
+        let (q_dim, kv_dim) = (heads * head_dim, kv_heads * head_dim);
+        let stride = q_dim + 2 * kv_dim;
+        let rows: Vec<f32> = values(tokens * stride, 3).iter().map(|v| v * 4.0).collect();
+        let (q_weight, k_weight) = (values(head_dim, 4), values(head_dim, 5));
+        let mut want = rows.clone();
+        for row in want.chunks_exact_mut(stride) {
+            let (q, rest) = row.split_at_mut(q_dim);
+            for (part, w) in [(q, &q_weight), (&mut rest[..kv_dim], &k_weight)] {
+                let input = part.to_vec();
+                cpu::norm::rms_norm(&input, w, 1e-6, part);
+            }
+        }
+        let rb = ctx.upload_f32("rows", &rows);
+        let [qw, kw] = [&q_weight, &k_weight].map(|w| ctx.upload_f32("norm", w));
+        let views = [(0, heads, &qw), (q_dim, kv_heads, &kw)];
+        let dispatches: Vec<_> = views
+            .into_iter()
+            .map(|(offset, n, w)| {
+                let view = RowView {
+                    buffer: &rb,
+                    offset,
+                    stride,
+                };
+                prepare_head_norm(&ctx, &view, w, (tokens, n, head_dim), 1e-6).unwrap()
+            })
+            .collect();
+        ctx.run(&dispatches.iter().collect::<Vec<_>>()).unwrap();
+        let got = ctx.read_f32(&rb, rows.len()).unwrap();
+        let (atol, rtol) = NORM_TOLERANCE;
+        let what = format!("head_norm {tokens} x ({heads} + {kv_heads}) x {head_dim}");
+        assert_close(&what, &got, &want, atol, rtol);
+    }
+}
+
 const ROPE_TOLERANCE: (f32, f32) = (1e-6, 1e-6);
 const ATTENTION_TOLERANCE: (f32, f32) = (1e-5, 1e-4);
 const ROUTER_WEIGHT_TOLERANCE: (f32, f32) = (1e-6, 1e-6);
@@ -759,7 +819,7 @@ fn rope_matches_cpu() {
             values: &v_cache,
             partials: None,
         };
-        let d = prepare_attention(&ctx, shape, tokens, &inputs, &sinks, &out).unwrap();
+        let d = prepare_attention(&ctx, shape, tokens, &inputs, Some(&sinks), &out).unwrap();
         ctx.run(&d.iter().collect::<Vec<_>>()).unwrap();
         let got = ctx.read_f32(&k_cache, want.len()).unwrap();
         let (atol, rtol) = ROPE_TOLERANCE;
@@ -787,6 +847,8 @@ struct AttentionCase {
     kv_format: KvFormat,
     /// Workgroups the new block's keys are split across (the past block runs unsplit).
     splits: usize,
+    /// GPT-OSS's sinks, or none (Qwen3-MoE).
+    sinks: bool,
 }
 
 const fn case(
@@ -805,6 +867,7 @@ const fn case(
         rotate,
         kv_format: KvFormat::F32,
         splits: 1,
+        sinks: true,
     }
 }
 
@@ -818,6 +881,13 @@ impl AttentionCase {
 
     const fn split(self, splits: usize) -> AttentionCase {
         AttentionCase { splits, ..self }
+    }
+
+    const fn without_sinks(self) -> AttentionCase {
+        AttentionCase {
+            sinks: false,
+            ..self
+        }
     }
 }
 
@@ -843,6 +913,12 @@ const ATTENTION_CASES: &[AttentionCase] = &[
     case((4, 2, 16), (10, 3), Some(4), false).f16(),
     case((64, 8, 64), (300, 1), None, true).f16(),
     case((6, 2, 32), (90, 1), None, true).f16().split(5),
+    // No sinks (Qwen3-MoE's shape: 128-wide heads, groups of 8), whole and split.
+    case((16, 2, 128), (0, 6), None, true).without_sinks(),
+    case((16, 2, 128), (40, 1), None, true)
+        .without_sinks()
+        .split(3),
+    case((4, 2, 16), (10, 3), Some(4), true).without_sinks(),
 ];
 
 /// Attention of a case on the GPU (the cache filled by the kernel itself in two blocks, ring when
@@ -856,7 +932,7 @@ fn check_attention(ctx: &GpuContext, c: AttentionCase) {
         .collect();
     let k: Vec<f32> = values(total * kv_dim, 12).iter().map(|v| v * 2.0).collect();
     let v = values(total * kv_dim, 13);
-    let sinks: Vec<f32> = values(c.heads, 14);
+    let sinks: Option<Vec<f32>> = c.sinks.then(|| values(c.heads, 14));
     let rope = cpu::rope::RopeTable::new(&rope_config(c.head_dim));
     let (q_seen, mut k_seen) = match c.rotate {
         true => (
@@ -868,7 +944,7 @@ fn check_attention(ctx: &GpuContext, c: AttentionCase) {
     let mut v_seen = v.clone();
     c.kv_format.round(&mut k_seen);
     c.kv_format.round(&mut v_seen);
-    let want = cpu_attention(c, &q_seen, &k_seen, &v_seen, &sinks);
+    let want = cpu_attention(c, &q_seen, &k_seen, &v_seen, sinks.as_deref());
 
     // Ring of window + block - 1 slots for sliding layers, everything for full ones.
     let capacity = c.window.map_or(total, |w| w + c.tokens.max(c.start) - 1);
@@ -885,7 +961,7 @@ fn check_attention(ctx: &GpuContext, c: AttentionCase) {
     let caches = ["k_cache", "v_cache"].map(|n| ctx.zeroed(n, bytes).unwrap());
     let step = ctx.uniform("step", bytemuck::cast_slice(&[0u32; 4]));
     let stride = q_dim + 2 * kv_dim;
-    let sb = ctx.upload_f32("sinks", &sinks);
+    let sb = sinks.as_ref().map(|sinks| ctx.upload_f32("sinks", sinks));
     let ob = ctx.zeroed("out", (want.len() * 4) as u64).unwrap();
     let past_out = ctx
         .zeroed("past out", (c.start.max(1) * q_dim * 4) as u64)
@@ -936,7 +1012,7 @@ fn check_attention(ctx: &GpuContext, c: AttentionCase) {
             false => (&past_out, 1),
         };
         let shape = AttentionShape { splits, ..shape };
-        let attend = prepare_attention(ctx, shape, count, &inputs, &sb, out).unwrap();
+        let attend = prepare_attention(ctx, shape, count, &inputs, sb.as_ref(), out).unwrap();
         assert_eq!(attend.len(), if splits > 1 { 2 } else { 1 });
         ctx.run(&attend.iter().collect::<Vec<_>>()).unwrap();
     }
@@ -948,7 +1024,13 @@ fn check_attention(ctx: &GpuContext, c: AttentionCase) {
 }
 
 /// The CPU tier's attention of a case's queries over keys and values as the cache holds them.
-fn cpu_attention(c: AttentionCase, q: &[f32], k: &[f32], v: &[f32], sinks: &[f32]) -> Vec<f32> {
+fn cpu_attention(
+    c: AttentionCase,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    sinks: Option<&[f32]>,
+) -> Vec<f32> {
     let (q_dim, kv_dim) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
     let layout = cpu::attention::HeadLayout {
         num_heads: c.heads,
@@ -968,7 +1050,7 @@ fn cpu_attention(c: AttentionCase, q: &[f32], k: &[f32], v: &[f32], sinks: &[f32
         };
         let out = &mut want[t * q_dim..(t + 1) * q_dim];
         let query = &q[t * q_dim..(t + 1) * q_dim];
-        cpu::attention::attend(layout, query, keys, kv, Some(sinks), scaling, out);
+        cpu::attention::attend(layout, query, keys, kv, sinks, scaling, out);
     }
     want
 }
@@ -1043,7 +1125,7 @@ fn f16_cache_rounds_like_the_cpu() {
         values: &v_cache,
         partials: None,
     };
-    let d = prepare_attention(&ctx, shape, 1, &inputs, &sinks, &out).unwrap();
+    let d = prepare_attention(&ctx, shape, 1, &inputs, Some(&sinks), &out).unwrap();
     ctx.run(&d.iter().collect::<Vec<_>>()).unwrap();
     for (cache, stored) in [(&k_cache, &keys), (&v_cache, &values)] {
         let bytes = ctx.read_back(cache, shape.cache_row_bytes()).unwrap();
@@ -1077,16 +1159,34 @@ fn attention_splits_only_long_decodes() {
     assert_eq!(AttentionShape::splits_for(1, ring.most_visible_keys()), 1);
 }
 
+/// Every router gating: GPT-OSS's, and Qwen3-MoE's with and without `norm_topk_prob`.
+const GATINGS: [Gating; 3] = [
+    Gating::TopKThenSoftmax,
+    Gating::SoftmaxThenTopK { renormalize: true },
+    Gating::SoftmaxThenTopK { renormalize: false },
+];
+
+/// The CPU tier's routing of one token's logits.
+fn cpu_route(logits: &[f32], k: usize, gating: Gating) -> cpu::moe::Routing {
+    match gating {
+        Gating::TopKThenSoftmax => cpu::moe::route(logits, k),
+        Gating::SoftmaxThenTopK { renormalize } => {
+            cpu::moe::route_softmax_first(logits, k, renormalize)
+        }
+    }
+}
+
 #[test]
 fn router_top_k_matches_cpu() {
     use picchio::gpu::kernels::prepare_route;
     let Some(ctx) = gpu(None) else { return };
-    for (tokens, experts, k) in [(1, 4, 2), (5, 32, 4), (3, 128, 4), (2, 6, 6)] {
+    let shapes = [(1, 4, 2), (5, 32, 4), (3, 128, 4), (2, 6, 6), (4, 128, 8)];
+    for ((tokens, experts, k), gating) in shapes.into_iter().flat_map(|s| GATINGS.map(|g| (s, g))) {
         let mut logits = values(tokens * experts, 21);
         logits[1] = logits[0]; // a tie: the lower id goes first
         let (mut want_ids, mut want_weights) = (Vec::new(), Vec::new());
         for row in logits.chunks(experts) {
-            let r = cpu::moe::route(row, k);
+            let r = cpu_route(row, k, gating);
             want_ids.extend(r.experts.iter().map(|e| *e as u32));
             want_weights.extend(r.weights);
         }
@@ -1095,11 +1195,11 @@ fn router_top_k_matches_cpu() {
             ctx.zeroed("ids", (tokens * k * 4) as u64).unwrap(),
             ctx.zeroed("w", (tokens * k * 4) as u64).unwrap(),
         );
-        let d = prepare_route(&ctx, &lb, (tokens, experts, k), &ib, &wb).unwrap();
+        let d = prepare_route(&ctx, &lb, (tokens, experts, k), gating, &ib, &wb).unwrap();
         ctx.run(&[&d]).unwrap();
         let ids: Vec<u32> =
             bytemuck::pod_collect_to_vec(&ctx.read_back(&ib, (tokens * k * 4) as u64).unwrap());
-        assert_eq!(ids, want_ids, "route {tokens}x{experts} top-{k}");
+        assert_eq!(ids, want_ids, "route {tokens}x{experts} top-{k} {gating:?}");
         let (atol, rtol) = ROUTER_WEIGHT_TOLERANCE;
         assert_close(
             "router weights",
@@ -1243,35 +1343,38 @@ fn router_with_its_norm_matches_cpu() {
     use picchio::gpu::kernels::{RouterWeights, RoutingBuffers, prepare_route_normed};
     let Some(ctx) = gpu(None) else { return };
     let cases = [
-        (1, 32, 2880, 4, FloatFormat::Bf16), // GPT-OSS decode
-        (3, 13, 40, 6, FloatFormat::F32),    // a partial tile of router rows
-        (2, 128, 64, 8, FloatFormat::F16),   // many experts
+        (1, 32, 2880, 4, FloatFormat::Bf16, GATINGS[0]), // GPT-OSS decode
+        (3, 13, 40, 6, FloatFormat::F32, GATINGS[2]),    // a partial tile of router rows
+        (2, 128, 64, 8, FloatFormat::F16, GATINGS[1]),   // many experts, Qwen3-MoE's router
     ];
-    for (tokens, experts, cols, k, format) in cases {
+    for (tokens, experts, cols, k, format, gating) in cases {
         let x: Vec<f32> = values(tokens * cols, 1).iter().map(|v| v * 3.0).collect();
         let norm: Vec<f32> = values(cols, 2).iter().map(|v| 1.0 + 0.1 * v).collect();
         let m = dense_matrix(experts, cols, format, 41);
-        let bias = values(experts, 42);
+        // GPT-OSS's router has a bias, Qwen3-MoE's none.
+        let bias = (gating == Gating::TopKThenSoftmax).then(|| values(experts, 42));
         let mut want_normed = vec![0f32; tokens * cols];
         cpu::norm::rms_norm(&x, &norm, 1e-5, &mut want_normed);
         let mut want_logits = vec![0f32; tokens * experts];
-        cpu::matmul::dense_matmul(&m, &want_normed, Some(&bias), &mut want_logits);
+        cpu::matmul::dense_matmul(&m, &want_normed, bias.as_deref(), &mut want_logits);
         let (mut want_ids, mut want_weights) = (Vec::new(), Vec::new());
         for row in want_logits.chunks(experts) {
-            let r = cpu::moe::route(row, k);
+            let r = cpu_route(row, k, gating);
             want_ids.extend(r.experts.iter().map(|e| *e as u32));
             want_weights.extend(r.weights);
         }
 
         let gm = GpuMatrix::upload(&ctx, "router", &m).unwrap();
-        let [xb, nb, bb] = [&x, &norm, &bias].map(|v| ctx.upload_f32("buffer", v));
+        let [xb, nb] = [&x, &norm].map(|v| ctx.upload_f32("buffer", v));
+        let bb = bias.as_ref().map(|b| ctx.upload_f32("bias", b));
         let zeroed = |floats: usize| ctx.zeroed("out", (floats * 4) as u64).unwrap();
         let (normed, logits) = (zeroed(tokens * cols), zeroed(tokens * experts));
         let (ids, weights) = (zeroed(tokens * k), zeroed(tokens * k));
         let router = RouterWeights {
             matrix: &gm,
-            bias: &bb,
+            bias: bb.as_ref(),
             top_k: k,
+            gating,
         };
         let out = RoutingBuffers {
             logits: &logits,
@@ -1282,7 +1385,7 @@ fn router_with_its_norm_matches_cpu() {
             .unwrap()
             .expect("the router fits one binding");
         ctx.run(&[&d]).unwrap();
-        let what = format!("router {tokens}x{cols} -> {experts} top-{k} {format:?}");
+        let what = format!("router {tokens}x{cols} -> {experts} top-{k} {format:?} {gating:?}");
         let (atol, rtol) = NORM_TOLERANCE;
         let got = ctx.read_f32(&normed, tokens * cols).unwrap();
         assert_close(&format!("{what} normed"), &got, &want_normed, atol, rtol);
@@ -1303,8 +1406,9 @@ fn router_with_its_norm_matches_cpu() {
     let b = small.zeroed("b", 32 * 4).unwrap();
     let router = RouterWeights {
         matrix: &gm,
-        bias: &b,
+        bias: Some(&b),
         top_k: 4,
+        gating: Gating::TopKThenSoftmax,
     };
     let out = RoutingBuffers {
         logits: &b,
@@ -1334,7 +1438,11 @@ fn swiglu_and_combine_match_cpu() {
         ctx.upload_f32("gate_up", &gate_up),
         ctx.zeroed("act", (rows * width * 4) as u64).unwrap(),
     );
-    let d = prepare_swiglu(&ctx, &gb, (rows, width), (1.702, 7.0), &ab).unwrap();
+    let clamped = Activation::ClampedSwiglu {
+        alpha: 1.702,
+        limit: 7.0,
+    };
+    let d = prepare_swiglu(&ctx, &gb, (rows, width), clamped, &ab).unwrap();
     ctx.run(&[&d]).unwrap();
     let (atol, rtol) = SWIGLU_TOLERANCE;
     assert_close(
@@ -1344,6 +1452,12 @@ fn swiglu_and_combine_match_cpu() {
         atol,
         rtol,
     );
+    // Qwen3-MoE's: gate rows then up rows, no clamp.
+    cpu::moe::swiglu(&gate_up, width, &mut want);
+    let d = prepare_swiglu(&ctx, &gb, (rows, width), Activation::Swiglu, &ab).unwrap();
+    ctx.run(&[&d]).unwrap();
+    let got = ctx.read_f32(&ab, rows * width).unwrap();
+    assert_close("plain swiglu", &got, &want, atol, rtol);
 
     // combine: 2 tokens x top-3, experts listed out of id order.
     let (tokens, k, hidden) = (2, 3, 24);
@@ -1490,6 +1604,54 @@ fn unquantized_experts_match_cpu() {
                 atol,
                 rtol,
             );
+        }
+    }
+}
+
+/// Qwen3-MoE's float experts in `[out, in]` orientation, gate and up in one block or two (as the
+/// hub's per-expert tensors may lie), over one binding and split over several.
+#[test]
+fn row_experts_match_cpu() {
+    use picchio::weights::{ExpertMatrices, RowExperts};
+    for max_binding in [None, Some(8192)] {
+        let Some(ctx) = gpu(max_binding) else { return };
+        for format in [FloatFormat::Bf16, FloatFormat::F16, FloatFormat::F32] {
+            let (experts, rows, cols) = (4, 40, 48);
+            let matrices: Vec<DenseMatrix> = (0..experts)
+                .map(|e| dense_matrix(rows, cols, format, 70 + e as u64))
+                .collect();
+            // Expert 1 as two row blocks, the others whole.
+            let half = rows / 2 * cols * format.size();
+            let blocks = (matrices.iter().enumerate())
+                .map(|(e, m)| match e {
+                    1 => vec![m.data.slice(0..half), m.data.slice(half..2 * half)],
+                    _ => vec![m.data.clone()],
+                })
+                .collect();
+            let w = RowExperts::new((rows, cols), format, blocks);
+            let ids = [1u32, 3, 0, 1, 2, 1];
+            let x = values(3 * cols, 62);
+            let mut want = vec![0f32; ids.len() * rows];
+            for (p, &e) in ids.iter().enumerate() {
+                let out = &mut want[p * rows..(p + 1) * rows];
+                let xs = &x[(p / 2) * cols..(p / 2 + 1) * cols];
+                cpu::matmul::row_expert_matmul(&w, e as usize, xs, None, out);
+            }
+            let gw = GpuExperts::upload(&ctx, "rows", &ExpertMatrices::Rows(w)).unwrap();
+            let (xb, yb, ib, dummy) = (
+                ctx.upload_f32("x", &x),
+                ctx.zeroed("y", (want.len() * 4) as u64).unwrap(),
+                ctx.upload("ids", bytemuck::cast_slice(&ids)),
+                ctx.zeroed("dummy", 4).unwrap(),
+            );
+            let ds = gw
+                .prepare(&ctx, &xb, 2, &ib, ids.len(), None, &yb, &dummy)
+                .unwrap();
+            ctx.run(&ds.iter().collect::<Vec<_>>()).unwrap();
+            let (atol, rtol) = EXPERT_TOLERANCE;
+            let what = format!("row {format:?} experts ({} chunks)", gw.chunk_count());
+            let got = ctx.read_f32(&yb, want.len()).unwrap();
+            assert_close(&what, &got, &want, atol, rtol);
         }
     }
 }

@@ -23,7 +23,7 @@ fn gpu_model(model: &Model, max_block: usize) -> Option<GpuModel<'_>> {
 
 #[test]
 fn gpu_greedy_tokens_and_logits_match_transformers() {
-    for dir in fixture_dirs() {
+    for dir in every_family_fixture_dirs() {
         let model = Model::load(&dir).unwrap();
         let reference = reference(&dir);
         let Some(mut gpu) = gpu_model(&model, 128) else {
@@ -92,7 +92,7 @@ fn gpu_greedy_tokens_and_logits_match_transformers() {
 #[test]
 fn ab_reports_full_agreement() {
     use picchio::model::generate::BackendChoice;
-    for dir in fixture_dirs() {
+    for dir in every_family_fixture_dirs() {
         if gpu(None).is_none() {
             return;
         }
@@ -123,7 +123,7 @@ fn ab_reports_full_agreement() {
 #[test]
 fn prefill_in_small_blocks_gives_the_same_tokens() {
     // Blocks of 5 cross every window (ring of window + 4 slots) and the KV store in pieces.
-    for dir in fixture_dirs() {
+    for dir in every_family_fixture_dirs() {
         let model = Model::load(&dir).unwrap();
         let reference = reference(&dir);
         let Some(mut gpu) = gpu_model(&model, 5) else {
@@ -282,19 +282,27 @@ fn experts_laid_out_for_the_cpu_tier_are_refused_by_the_gpu_tier() {
 
 #[test]
 fn both_tiers_run_the_same_layer_ops() {
+    // Qwen3-MoE's layers have two more ops: the per-head norms of the queries and keys.
+    let families = [
+        (fixtures_dir().join("tiny-routed"), 11),
+        (qwen3_fixture_dirs()[0].clone(), 13),
+    ];
+    for (dir, per_layer) in families {
+        let model = Model::load(&dir).unwrap();
+        let Some(gpu) = gpu_model(&model, 8) else {
+            return;
+        };
+        let tokens = [3, 1, 4, 1, 5];
+        let cpu_ops = model.layer_ops(&tokens).unwrap();
+        let gpu_ops = gpu.layer_ops(tokens.len()).unwrap();
+        // Per layer: two norms, two projections, two ropes, attention, two adds (residual and
+        // combine), route, experts; head norms where the family has them.
+        assert_eq!(cpu_ops.len(), model.config.num_layers * per_layer);
+        assert_eq!(cpu_ops, gpu_ops, "{}", dir.display());
+    }
     let dir = fixtures_dir().join("tiny-routed");
     let model = Model::load(&dir).unwrap();
-    let Some(gpu) = gpu_model(&model, 8) else {
-        return;
-    };
-    let tokens = [3, 1, 4, 1, 5];
-    let cpu_ops = model.layer_ops(&tokens).unwrap();
-    let gpu_ops = gpu.layer_ops(tokens.len()).unwrap();
-    // Per layer: two norms, two projections, two ropes, attention, two adds (residual and
-    // combine), route, experts.
-    let per_layer = 11;
-    assert_eq!(cpu_ops.len(), model.config.num_layers * per_layer);
-    assert_eq!(cpu_ops, gpu_ops);
+    let cpu_ops = model.layer_ops(&[3, 1, 4, 1, 5]).unwrap();
     let attention: Vec<&str> = cpu_ops
         .iter()
         .filter(|op| op.op.starts_with("attention"))
@@ -477,7 +485,7 @@ fn a_profile_times_every_dispatch_and_changes_no_token() {
 #[test]
 fn prompt_experts_grouped_by_expert_give_transformers_tokens() {
     let mut grouped_somewhere = false;
-    for dir in fixture_dirs() {
+    for dir in every_family_fixture_dirs() {
         let model = Model::load(&dir).unwrap();
         let reference = reference(&dir);
         let mut prefill_dispatches = Vec::new();
@@ -520,7 +528,7 @@ fn f16_kv_cache_gives_the_same_tokens_on_both_tiers() {
         kv_format: picchio::formats::KvFormat::F16,
         ..Default::default()
     };
-    for dir in fixture_dirs() {
+    for dir in every_family_fixture_dirs() {
         let model = Model::load_with(&dir, &options).unwrap();
         let reference = reference(&dir);
         let Some(mut gpu) = gpu_model(&model, 128) else {

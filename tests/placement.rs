@@ -31,7 +31,7 @@ fn slots(model: &Model, slots: u64) -> VramBudget {
 
 #[test]
 fn every_vram_budget_and_miss_policy_gives_transformers_tokens() {
-    for dir in fixture_dirs() {
+    for dir in every_family_fixture_dirs() {
         let reference = reference(&dir);
         let probe = Model::load(&dir).unwrap();
         let k = probe.config.experts_per_token as u64;
@@ -153,7 +153,7 @@ fn every_vram_budget_and_miss_policy_gives_transformers_tokens() {
 fn prompt_blocks_with_a_vram_cache_give_the_same_tokens() {
     // Prefill in blocks of 3 under a quarter-size cache that evicts: each block places its own
     // experts, and the ids still match transformers'.
-    for dir in fixture_dirs() {
+    for dir in every_family_fixture_dirs() {
         let reference = reference(&dir);
         let model = Model::load(&dir).unwrap();
         let options = GpuTierOptions {
@@ -233,7 +233,7 @@ fn bench_sweeps_vram_budgets() {
 fn layers_split_between_the_gpu_and_the_cpu_give_transformers_tokens() {
     // The first g layers on the GPU (with a quarter-size expert cache), the rest and the head on
     // the CPU tier: the residual stream crosses once per block, the tokens do not change.
-    for dir in fixture_dirs() {
+    for dir in every_family_fixture_dirs() {
         let reference = reference(&dir);
         let layers = Model::load(&dir).unwrap().config.num_layers;
         for gpu_layers in [1, layers - 1].into_iter().filter(|&g| g >= 1) {
@@ -274,7 +274,7 @@ fn layers_split_between_the_gpu_and_the_cpu_give_transformers_tokens() {
 #[test]
 fn prefetch_never_changes_tokens_and_guesses_better_than_chance() {
     use picchio::model::{PrefetchOptions, PrefetchProxy};
-    for dir in fixture_dirs() {
+    for dir in every_family_fixture_dirs() {
         let reference = reference(&dir);
         for (proxy, on_gpu) in [
             (PrefetchProxy::A, false),

@@ -513,21 +513,3 @@ fn multi_turn_prefix_reuse_gives_the_tokens_of_a_full_prefill() {
         assert_eq!(session.tokens(), &held[..]);
     }
 }
-
-#[test]
-fn qwen3_runs_on_the_cpu_tier_and_the_gpu_tier_says_it_does_not_yet() {
-    use picchio::model::generate::{BackendChoice, Runtime};
-    let dir = &qwen3_fixture_dirs()[0];
-    let model = Model::load(dir).unwrap();
-    let asked = Runtime::open(&model, BackendChoice::Gpu, &gpu_options());
-    let message = asked.err().expect("the GPU tier refuses").to_string();
-    assert!(
-        message.contains("qwen3_moe") && message.contains("CPU tier only"),
-        "{message}"
-    );
-    let auto = Runtime::open(&model, BackendChoice::Auto, &gpu_options()).unwrap();
-    assert!(auto.gpu().is_none(), "auto runs Qwen3-MoE on the CPU tier");
-    let ops = model.layer_ops(&reference(dir).prompt_ids).unwrap();
-    let head_norms = ops.iter().filter(|o| o.op.starts_with("head_norm")).count();
-    assert_eq!(head_norms, 2 * model.config.num_layers, "{ops:?}");
-}

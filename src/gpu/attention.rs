@@ -155,14 +155,14 @@ impl AttentionShape {
 }
 
 /// Stores the block's keys and values in the cache and attends `tokens` queries at positions
-/// `step.start + t` to the keys they see, with sinks: one dispatch, or two where the keys are
-/// split (`shape.splits` > 1).
+/// `step.start + t` to the keys they see, with `sinks` where the model has them: one dispatch, or
+/// two where the keys are split (`shape.splits` > 1).
 pub fn prepare_attention(
     ctx: &GpuContext,
     shape: AttentionShape,
     tokens: usize,
     inputs: &AttentionInputs,
-    sinks: &wgpu::Buffer,
+    sinks: Option<&wgpu::Buffer>,
     out: &wgpu::Buffer,
 ) -> Result<Vec<Dispatch>> {
     shape.check()?;
@@ -177,6 +177,9 @@ pub fn prepare_attention(
     ];
     if shape.kv_format == KvFormat::F16 {
         defines.push(("KV_F16", "1".into()));
+    }
+    if sinks.is_some() {
+        defines.push(("SINKS", "1".into()));
     }
     let i = inputs;
     let mut buffers = vec![
@@ -203,7 +206,10 @@ pub fn prepare_attention(
             defines.push(("SPLIT", "1".into()));
             buffers.push((8, p));
         }
-        None => buffers.extend([(7, sinks), (8, out)]),
+        None => {
+            buffers.extend(sinks.map(|sinks| (7, sinks)));
+            buffers.push((8, out));
+        }
     }
     let workgroups = [
         u32_of(tokens, "tokens")?,
@@ -222,15 +228,21 @@ pub fn prepare_attention(
     let Some(partials) = partials else {
         return Ok(vec![attend]);
     };
+    let mut merge_defines = vec![
+        ("MERGE", "1".to_string()),
+        ("HEAD_DIM", shape.head_dim.to_string()),
+    ];
+    let mut merge_buffers = vec![(8, out), (9, partials)];
+    if let Some(sinks) = sinks {
+        merge_defines.push(("SINKS", "1".into()));
+        merge_buffers.push((7, sinks));
+    }
     let merge = ctx.prepare_bound(
         "attention.wgsl",
         "merge",
-        &[
-            ("MERGE", "1".into()),
-            ("HEAD_DIM", shape.head_dim.to_string()),
-        ],
+        &merge_defines,
         &params,
-        &[(7, sinks), (8, out), (9, partials)],
+        &merge_buffers,
         [
             u32_of(tokens, "tokens")?,
             u32_of(shape.num_heads, "heads")?,

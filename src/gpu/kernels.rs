@@ -4,6 +4,7 @@
 use std::sync::Arc;
 
 use super::GpuContext;
+use crate::arch::{Activation, Gating};
 use crate::error::{Error, Result};
 use crate::weights::{
     DenseExperts, DenseMatrix, ExpertMatrices, FloatFormat, Int4Experts, Mxfp4Experts,
@@ -476,18 +477,14 @@ struct ExpertLayout {
 }
 
 impl ExpertLayout {
-    /// The layout of `m`'s experts; an error for a format no expert kernel reads.
+    /// The layout of `m`'s experts.
     fn of(m: &ExpertMatrices) -> Result<ExpertLayout> {
         let (expert_bytes, scale_bytes) = m.part_sizes();
         let kind = match m {
             ExpertMatrices::Mxfp4(_) => ("EXPERTS", "MXFP4"),
             ExpertMatrices::Int4(_) => ("EXPERTS", "INT4"),
             ExpertMatrices::Dense(d) => ("EXPERTS_UNQUANTIZED", format_define(d.format)),
-            ExpertMatrices::Rows(_) => {
-                return Err(Error::Gpu(
-                    "no GPU kernel reads row-major float experts (Qwen3-MoE's) yet".into(),
-                ));
-            }
+            ExpertMatrices::Rows(r) => ("EXPERTS_ROWS", format_define(r.format)),
         };
         Ok(ExpertLayout {
             defines: [
@@ -544,11 +541,12 @@ impl GpuExperts {
             if let Some((w, s)) = m.expert_run(first..first + n) {
                 return upload(w, s);
             }
-            // A converted store's padded records: gathered expert by expert.
+            // A converted store's padded records (or Qwen3-MoE's per-expert tensors): gathered
+            // expert by expert.
             let (mut w, mut s) = (Vec::new(), Vec::new());
             for e in first..first + n {
-                let (weights, scales) = m.expert_parts(e);
-                w.extend_from_slice(weights);
+                let (weights, scales) = m.expert_pieces(e);
+                weights.iter().for_each(|piece| w.extend_from_slice(piece));
                 s.extend_from_slice(scales.unwrap_or_default());
             }
             upload(&w, Some(&s))
@@ -582,9 +580,10 @@ impl GpuExperts {
     /// Writes one expert (`m` holding exactly one, in this pool's format) into `slot`; the copy
     /// lands before the next submission's commands run.
     pub fn write_slot(&self, queue: &wgpu::Queue, slot: usize, m: &ExpertMatrices) -> Result<()> {
-        let (weights, scales) = m.expert_parts(0);
+        let (weights, scales) = m.expert_pieces(0);
+        let weight_bytes: usize = weights.iter().map(|piece| piece.len()).sum();
         let fits =
-            weights.len() == self.expert_bytes && scales.map_or(0, <[u8]>::len) == self.scale_bytes;
+            weight_bytes == self.expert_bytes && scales.map_or(0, <[u8]>::len) == self.scale_bytes;
         let chunk = self
             .chunks
             .iter()
@@ -595,7 +594,11 @@ impl GpuExperts {
             )));
         };
         let at = (slot - first) as u64;
-        queue.write_buffer(w, at * self.expert_bytes as u64, weights);
+        let mut offset = at * self.expert_bytes as u64;
+        for piece in weights {
+            queue.write_buffer(w, offset, piece);
+            offset += piece.len() as u64;
+        }
         if let (Some(s), Some(scales)) = (s, scales) {
             queue.write_buffer(s, at * self.scale_bytes as u64, scales);
         }
@@ -639,10 +642,10 @@ impl GpuExperts {
         dummy: &wgpu::Buffer,
     ) -> Result<Vec<Dispatch>> {
         let (gx, gy) = ctx.row_groups(self.rows)?;
-        let entry = if self.defines[0].0 == "EXPERTS" {
-            "experts"
-        } else {
-            "experts_unquantized"
+        let entry = match self.defines[0].0 {
+            "EXPERTS" => "experts",
+            "EXPERTS_ROWS" => "experts_rows",
+            _ => "experts_unquantized",
         };
         self.chunks
             .iter()
@@ -925,6 +928,44 @@ pub fn prepare_rms_norm(
     Ok(dispatch.moving((4 * (2 * rows + 1) * cols) as u64))
 }
 
+/// A strided view of rows in a buffer: row t starts `offset + t * stride` floats in.
+pub struct RowView<'b> {
+    pub buffer: &'b wgpu::Buffer,
+    pub offset: usize,
+    pub stride: usize,
+}
+
+/// RMSNorm in place of each of `heads` heads of `head_dim` values in each of `tokens` rows of
+/// `view`, with the per-head weights `w` (Qwen3's q_norm and k_norm).
+pub fn prepare_head_norm(
+    ctx: &GpuContext,
+    view: &RowView,
+    w: &wgpu::Buffer,
+    (tokens, heads, head_dim): (usize, usize, usize),
+    eps: f32,
+) -> Result<Dispatch> {
+    let params = [
+        u32_of(head_dim, "head_dim")?,
+        eps.to_bits(),
+        u32_of(heads, "heads")?,
+        u32_of(view.offset, "offset")?,
+        u32_of(view.stride, "stride")?,
+        0,
+        0,
+        0,
+    ];
+    let groups = [u32_of(tokens, "tokens")?, u32_of(heads, "heads")?, 1];
+    let dispatch = ctx.prepare(
+        "norm.wgsl",
+        "head_norm",
+        &[("HEADS", "1".to_string())],
+        &params,
+        &[view.buffer, w],
+        groups,
+    )?;
+    Ok(dispatch.moving((4 * (2 * tokens * heads + 1) * head_dim) as u64))
+}
+
 impl GpuContext {
     /// A grid for `n` invocations in workgroups of `size`: (x, y) with x within the per-dimension
     /// limit; the kernel's index is `gid.x + gid.y * x * size`.
@@ -970,11 +1011,27 @@ fn router_params(
     ])
 }
 
-/// Top-k of `[tokens, experts]` router logits and a softmax over the k: `ids`, `weights`.
+/// router.wgsl's defines for `gating`.
+fn gating_defines(gating: Gating) -> Vec<(&'static str, String)> {
+    match gating {
+        Gating::TopKThenSoftmax => Vec::new(),
+        Gating::SoftmaxThenTopK { renormalize } => {
+            let mut defines = vec![("SOFTMAX_FIRST", "1".to_string())];
+            if renormalize {
+                defines.push(("RENORMALIZE", "1".to_string()));
+            }
+            defines
+        }
+    }
+}
+
+/// Top-k of `[tokens, experts]` router logits and their weights as `gating` says: `ids`,
+/// `weights`.
 pub fn prepare_route(
     ctx: &GpuContext,
     logits: &wgpu::Buffer,
     (tokens, experts, top_k): (usize, usize, usize),
+    gating: Gating,
     ids: &wgpu::Buffer,
     weights: &wgpu::Buffer,
 ) -> Result<Dispatch> {
@@ -983,18 +1040,19 @@ pub fn prepare_route(
     ctx.prepare(
         "router.wgsl",
         "route",
-        &[],
+        &gating_defines(gating),
         &params,
         &[logits, ids, weights],
         groups,
     )
 }
 
-/// A router on the GPU: its product and bias, and top-k.
+/// A router on the GPU: its product and bias (where it has one), top-k and gating.
 pub struct RouterWeights<'b> {
     pub matrix: &'b GpuMatrix,
-    pub bias: &'b wgpu::Buffer,
+    pub bias: Option<&'b wgpu::Buffer>,
     pub top_k: usize,
+    pub gating: Gating,
 }
 
 /// The routing's outputs: the logits, then each (token, slot)'s expert id and weight.
@@ -1021,11 +1079,12 @@ pub fn prepare_route_normed(
     };
     let shape = (tokens, router.matrix.rows, router.top_k, router.matrix.cols);
     let params = router_params(shape, eps, 0)?;
-    let defines = [
+    let mut defines = vec![
         ("NORMED", "1".to_string()),
         (format_define(router.matrix.format), "1".to_string()),
     ];
-    let buffers = [
+    defines.extend(gating_defines(router.gating));
+    let mut buffers = vec![
         out.logits,
         out.ids,
         out.weights,
@@ -1033,8 +1092,11 @@ pub fn prepare_route_normed(
         norm_weight,
         normed,
         weights,
-        router.bias,
     ];
+    if let Some(bias) = router.bias {
+        defines.push(("BIAS", "1".to_string()));
+        buffers.push(bias);
+    }
     let groups = [u32_of(tokens, "tokens")?, 1, 1];
     let router_bytes = router.matrix.rows * router.matrix.cols * router.matrix.format.size();
     let bytes = router_bytes + 4 * tokens * (2 * router.matrix.cols + router.matrix.rows);
@@ -1049,17 +1111,22 @@ pub fn prepare_route_normed(
     Ok(Some(dispatch.moving(bytes as u64)))
 }
 
-/// Clamped SwiGLU of `rows` interleaved gate/up rows of `2 * width` into `[rows, width]`.
+/// `activation` of `rows` gate/up rows of `2 * width` into `[rows, width]`: GPT-OSS's clamped
+/// SwiGLU over interleaved rows, or the plain one over gate then up halves.
 pub fn prepare_swiglu(
     ctx: &GpuContext,
     gate_up: &wgpu::Buffer,
     (rows, width): (usize, usize),
-    alpha_limit: (f32, f32),
+    activation: Activation,
     act: &wgpu::Buffer,
 ) -> Result<Dispatch> {
     let groups = ctx.flat_groups(rows * width, 64)?;
+    let (alpha_limit, mut defines) = match activation {
+        Activation::ClampedSwiglu { alpha, limit } => ((alpha, limit), vec![]),
+        Activation::Swiglu => ((0.0, 0.0), vec![("PLAIN", "1".to_string())]),
+    };
+    defines.push(("SWIGLU", "1".to_string()));
     let params = moe_params((rows, 0, 0, width), alpha_limit, groups[0])?;
-    let defines = [("SWIGLU", "1".to_string())];
     ctx.prepare(
         "moe.wgsl",
         "swiglu",

@@ -390,10 +390,6 @@ impl Model {
             Some("--expert-activations q8")
         } else if self.weights.experts_interleaved() {
             Some("a model loaded for the CPU tier (experts laid out for its kernel)")
-        } else if self.config.family != crate::arch::Family::GptOss {
-            // The GPU kernels of the family's ops (head norms, its router and SwiGLU, row-major
-            // bf16 experts) are not built yet.
-            Some("a qwen3_moe model")
         } else {
             None
         }

@@ -9,7 +9,6 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
-use super::weights::gpt_oss_part;
 use super::{GpuModel, MissPolicy};
 use crate::cpu::moe::Routing;
 use crate::error::{Error, Result};
@@ -25,9 +24,9 @@ pub(super) const NO_SLOT: u32 = u32::MAX;
 pub(super) struct ExpertPool {
     pub gate_up: GpuExperts,
     pub down: GpuExperts,
-    /// `[slots, rows]` biases of the expert in each slot.
-    pub gate_up_bias: wgpu::Buffer,
-    pub down_bias: wgpu::Buffer,
+    /// `[slots, rows]` biases of the expert in each slot, where the family's experts have them.
+    pub gate_up_bias: Option<wgpu::Buffer>,
+    pub down_bias: Option<wgpu::Buffer>,
     table: Mutex<SlotTable>,
     slots: usize,
 }
@@ -53,10 +52,13 @@ impl ExpertPool {
     pub fn new(
         gate_up: GpuExperts,
         down: GpuExperts,
-        biases: [wgpu::Buffer; 2],
+        biases: Option<[wgpu::Buffer; 2]>,
         slots: usize,
     ) -> ExpertPool {
-        let [gate_up_bias, down_bias] = biases;
+        let [gate_up_bias, down_bias] = match biases {
+            Some(biases) => biases.map(Some),
+            None => [None, None],
+        };
         ExpertPool {
             gate_up,
             down,
@@ -420,19 +422,23 @@ impl GpuModel<'_> {
         self.weights.ctx.count_expert_upload()?;
         pool.gate_up.write_slot(queue, slot, &expert.gate_up)?;
         pool.down.write_slot(queue, slot, &expert.down)?;
-        let gate_up_bias =
-            &gpt_oss_part(&layer.gate_up_bias, "expert biases")?[e * 2 * i..][..2 * i];
-        let down_bias = &gpt_oss_part(&layer.down_bias, "expert biases")?[e * h..][..h];
+        let gate_up_bias = layer
+            .gate_up_bias
+            .as_deref()
+            .map(|b| &b[e * 2 * i..][..2 * i]);
+        let down_bias = layer.down_bias.as_deref().map(|b| &b[e * h..][..h]);
         let biases = [
             (&pool.gate_up_bias, slot * 2 * i, gate_up_bias),
             (&pool.down_bias, slot * h, down_bias),
         ];
+        let mut bias_bytes = 0;
         for (buffer, first, values) in biases {
-            queue.write_buffer(buffer, (first * 4) as u64, bytemuck::cast_slice(values));
+            if let (Some(buffer), Some(values)) = (buffer, values) {
+                queue.write_buffer(buffer, (first * 4) as u64, bytemuck::cast_slice(values));
+                bias_bytes += 4 * values.len();
+            }
         }
-        let bytes = expert.gate_up.expert_bytes()
-            + expert.down.expert_bytes()
-            + 4 * (gate_up_bias.len() + down_bias.len());
+        let bytes = expert.gate_up.expert_bytes() + expert.down.expert_bytes() + bias_bytes;
         self.model.experts.count_upload(bytes as u64, started);
         Ok(())
     }

@@ -4,12 +4,13 @@
 
 use super::weights::ResidentExperts;
 use super::{GpuModel, PlanStep, add, add_experts};
-use crate::arch::{Activation, AttentionSpec, ExpertSpec, Gating, RouterSpec};
+use crate::arch::{Activation, AttentionSpec, ExpertSpec, RouterSpec};
 use crate::error::{Error, Result};
 use crate::gpu::attention::{AttentionInputs, AttentionShape, QkvRows, prepare_attention};
 use crate::gpu::kernels::{
-    Output, RouterWeights, RoutingBuffers, RowNorm, prepare_add, prepare_combine, prepare_rms_norm,
-    prepare_route, prepare_route_normed, prepare_sort_pairs, prepare_swiglu,
+    Output, RouterWeights, RoutingBuffers, RowNorm, RowView, prepare_add, prepare_combine,
+    prepare_head_norm, prepare_rms_norm, prepare_route, prepare_route_normed, prepare_sort_pairs,
+    prepare_swiglu,
 };
 use crate::model::block::{Norm, Projection, Tier};
 
@@ -121,7 +122,7 @@ impl<'g, 'm> PlanRecorder<'g, 'm> {
         let (gpu, a) = (self.gpu, &self.gpu.act);
         let experts = self.resident(layer)?;
         let pairs = self.n * gpu.config.experts_per_token;
-        let (ctx, bias) = (&gpu.weights.ctx, Some(&experts.down_bias));
+        let (ctx, bias) = (&gpu.weights.ctx, experts.down_bias.as_ref());
         if grouped {
             let input = (&a.activated, pairs);
             let down = experts.down.prepare_down_grouped(
@@ -160,12 +161,13 @@ impl<'g, 'm> PlanRecorder<'g, 'm> {
         let Some(resident) = &gpu.weights.layers[layer].experts else {
             return Ok(None);
         };
+        // The fused kernels apply GPT-OSS's SwiGLU to interleaved rows only.
         let Activation::ClampedSwiglu { alpha, limit } = spec.activation else {
-            return Err(not_on_gpu("a plain SwiGLU"));
+            return Ok(None);
         };
         let (ctx, gate_up) = (&gpu.weights.ctx, &resident.gate_up);
         let input = (x.packed("experts")?, n, gpu.config.experts_per_token);
-        let bias = Some(&resident.gate_up_bias);
+        let bias = resident.gate_up_bias.as_ref();
         // With few pairs per expert, most of a tile's pairs would be padding. Software adapters
         // compute rather than wait for the reads grouping saves, and a tile's padding costs them
         // arithmetic (the synthetic 20B's prompts ran slower grouped on lavapipe).
@@ -246,11 +248,40 @@ impl Tier for PlanRecorder<'_, '_> {
     type Routing = GpuRouting;
     type Experts = GpuAct;
 
-    /// Deferred: the product or the router after it may take it into its own kernel.
-    fn head_norm(&mut self, _: usize, _: Projection, _: &mut GpuAct, _: usize) -> Result<()> {
-        Err(not_on_gpu("per-head norms"))
+    /// In place on the stacked q/k/v product's rows, before the attention kernels rotate them.
+    fn head_norm(
+        &mut self,
+        layer: usize,
+        projection: Projection,
+        x: &mut GpuAct,
+        heads: usize,
+    ) -> Result<()> {
+        self.flush()?;
+        let gpu = self.gpu;
+        let w = &gpu.weights.layers[layer];
+        let weights = match projection {
+            Projection::Query => w.q_norm.as_ref(),
+            Projection::Key => w.k_norm.as_ref(),
+            Projection::Value | Projection::Output => None,
+        };
+        let (Some(weights), false) = (weights, x.rotate) else {
+            return Err(Error::Gpu(format!(
+                "layer {layer}: no per-head norm of {projection:?}, or rotated already"
+            )));
+        };
+        let view = RowView {
+            buffer: &x.buffer,
+            offset: x.offset,
+            stride: x.stride,
+        };
+        let shape = (self.n, heads, x.width / heads);
+        let eps = gpu.config.rms_norm_eps;
+        let dispatch = prepare_head_norm(&gpu.weights.ctx, &view, weights, shape, eps)?;
+        add(&mut self.steps, vec![dispatch]);
+        Ok(())
     }
 
+    /// Deferred: the product or the router after it may take it into its own kernel.
     fn rms_norm(&mut self, layer: usize, norm: Norm, x: &GpuAct) -> Result<GpuAct> {
         self.flush()?;
         x.packed("rms_norm")?;
@@ -385,7 +416,7 @@ impl Tier for PlanRecorder<'_, '_> {
             splits: AttentionShape::splits_for(n, shape.most_visible_keys()),
             ..shape
         };
-        let sinks = &gpu.weights.layers[layer].sinks;
+        let sinks = gpu.weights.layers[layer].sinks.as_ref();
         let ctx = &gpu.weights.ctx;
         let inputs = AttentionInputs {
             step: &a.step,
@@ -425,14 +456,12 @@ impl Tier for PlanRecorder<'_, '_> {
     /// the router fits one binding), else the three kernels.
     fn route(&mut self, layer: usize, spec: &RouterSpec, x: &GpuAct) -> Result<GpuRouting> {
         let (gpu, a, n) = (self.gpu, &self.gpu.act, self.n);
-        let Gating::TopKThenSoftmax = spec.gating else {
-            return Err(not_on_gpu("a softmax-then-top-k router"));
-        };
         let w = &gpu.weights.layers[layer];
         let router = RouterWeights {
             matrix: &w.router,
-            bias: &w.router_bias,
+            bias: w.router_bias.as_ref(),
             top_k: spec.top_k,
+            gating: spec.gating,
         };
         let out = RoutingBuffers {
             logits: &a.router_logits,
@@ -461,13 +490,14 @@ impl Tier for PlanRecorder<'_, '_> {
                 &gpu.weights.ctx,
                 x.packed("route")?,
                 n,
-                Some(&w.router_bias),
+                w.router_bias.as_ref(),
                 out.logits,
                 &a.dummy,
             )?;
             add(&mut self.steps, product);
             let shape = (n, spec.experts, spec.top_k);
-            let route = prepare_route(&gpu.weights.ctx, out.logits, shape, out.ids, out.weights)?;
+            let ctx = &gpu.weights.ctx;
+            let route = prepare_route(ctx, out.logits, shape, spec.gating, out.ids, out.weights)?;
             add(&mut self.steps, vec![route]);
         }
         if let Some(trace) = &a.routing_trace {
@@ -500,9 +530,6 @@ impl Tier for PlanRecorder<'_, '_> {
             return Ok(experts);
         }
         let (gpu, a, n) = (self.gpu, &self.gpu.act, self.n);
-        let Activation::ClampedSwiglu { alpha, limit } = spec.activation else {
-            return Err(not_on_gpu("a plain SwiGLU"));
-        };
         let k = gpu.config.experts_per_token;
         let pairs = n * k;
         let w = &gpu.weights.layers[layer];
@@ -510,9 +537,9 @@ impl Tier for PlanRecorder<'_, '_> {
             match (&w.experts, &gpu.weights.pool) {
                 (Some(r), _) => (
                     &r.gate_up,
-                    &r.gate_up_bias,
+                    r.gate_up_bias.as_ref(),
                     &r.down,
-                    &r.down_bias,
+                    r.down_bias.as_ref(),
                     &routing.ids,
                 ),
                 (None, Some(pool)) => {
@@ -533,9 +560,9 @@ impl Tier for PlanRecorder<'_, '_> {
                     self.steps.push(PlanStep::PlaceExperts { layer });
                     (
                         &pool.gate_up,
-                        &pool.gate_up_bias,
+                        pool.gate_up_bias.as_ref(),
                         &pool.down,
-                        &pool.down_bias,
+                        pool.down_bias.as_ref(),
                         &a.slot_ids,
                     )
                 }
@@ -551,13 +578,13 @@ impl Tier for PlanRecorder<'_, '_> {
             k,
             selector,
             pairs,
-            Some(gate_up_bias),
+            gate_up_bias,
             &a.gate_up,
             &a.dummy,
         )?;
         add_experts(&mut self.steps, gate_up, cached, dispatches);
         let shape = (pairs, spec.intermediate);
-        let swiglu = prepare_swiglu(ctx, &a.gate_up, shape, (alpha, limit), &a.activated)?;
+        let swiglu = prepare_swiglu(ctx, &a.gate_up, shape, spec.activation, &a.activated)?;
         add(&mut self.steps, vec![swiglu]);
         let dispatches = down.prepare(
             ctx,
@@ -565,7 +592,7 @@ impl Tier for PlanRecorder<'_, '_> {
             1,
             selector,
             pairs,
-            Some(down_bias),
+            down_bias,
             &a.down,
             &a.dummy,
         )?;
@@ -595,7 +622,7 @@ impl Tier for PlanRecorder<'_, '_> {
                 &gpu.weights.ctx,
                 input,
                 (&routing.ids, &routing.weights),
-                Some(&resident.down_bias),
+                resident.down_bias.as_ref(),
                 hidden.packed("combine")?,
                 &a.dummy,
             )?;
@@ -636,10 +663,4 @@ fn qkv_rows<'b>(queries: &'b GpuAct, keys: &GpuAct, values: &GpuAct) -> Result<Q
         rotate_query: queries.rotate,
         rotate_key: keys.rotate,
     })
-}
-
-/// The error for an op of a family the GPU tier does not run yet (`Model::cpu_only_mode` keeps
-/// such models on the CPU tier; this guards library callers).
-fn not_on_gpu(op: &str) -> Error {
-    Error::Unsupported(format!("the GPU tier has no kernel for {op} yet"))
 }

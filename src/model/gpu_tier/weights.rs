@@ -23,19 +23,22 @@ pub(super) struct GpuLayer {
     pub qkv_bias: Option<wgpu::Buffer>,
     pub o: GpuMatrix,
     pub o_bias: Option<wgpu::Buffer>,
-    pub sinks: wgpu::Buffer,
+    /// Per-head RMSNorm weights of the queries and keys (Qwen3-MoE).
+    pub q_norm: Option<wgpu::Buffer>,
+    pub k_norm: Option<wgpu::Buffer>,
+    pub sinks: Option<wgpu::Buffer>,
     pub router: GpuMatrix,
-    pub router_bias: wgpu::Buffer,
+    pub router_bias: Option<wgpu::Buffer>,
     /// The layer's experts, when every expert is resident (else the weights' `ExpertPool`).
     pub experts: Option<ResidentExperts>,
 }
 
-/// Every expert of a layer, with its biases (`[experts, rows]`).
+/// Every expert of a layer, with its biases (`[experts, rows]`) where it has them.
 pub(super) struct ResidentExperts {
     pub gate_up: GpuExperts,
-    pub gate_up_bias: wgpu::Buffer,
+    pub gate_up_bias: Option<wgpu::Buffer>,
     pub down: GpuExperts,
-    pub down_bias: wgpu::Buffer,
+    pub down_bias: Option<wgpu::Buffer>,
 }
 
 /// A model's weights on one device, shared by every session opened on them
@@ -62,20 +65,24 @@ pub struct GpuWeights<'m> {
 pub fn vram_bytes_per_expert(model: &Model) -> u64 {
     let (cfg, first) = (&model.config, &model.weights.layers[0]);
     let per = |m: &crate::weights::ExpertMatrices| m.bytes() / m.experts().max(1);
-    (per(&first.gate_up) + per(&first.down) + 4 * (2 * cfg.intermediate_size + cfg.hidden_size))
-        as u64
+    let biases = match first.down_bias {
+        Some(_) => 4 * (2 * cfg.intermediate_size + cfg.hidden_size),
+        None => 0,
+    };
+    (per(&first.gate_up) + per(&first.down) + biases) as u64
 }
 
 pub(super) fn f32s(ctx: &GpuContext, label: &str, values: &[f32]) -> Result<wgpu::Buffer> {
     ctx.try_upload_f32(label, values)
 }
 
-/// A GPT-OSS layer's `values` (sinks, biases), which every layer the GPU tier runs has
-/// (`Model::cpu_only_mode` keeps other families on the CPU tier).
-pub(super) fn gpt_oss_part<'a>(values: &'a Option<Vec<f32>>, what: &str) -> Result<&'a [f32]> {
-    values
-        .as_deref()
-        .ok_or_else(|| Error::Unsupported(format!("the GPU tier needs a layer's {what}")))
+/// `values` uploaded, where the layer has them (sinks, biases, head norms).
+pub(super) fn optional_f32s(
+    ctx: &GpuContext,
+    label: &str,
+    values: &Option<Vec<f32>>,
+) -> Result<Option<wgpu::Buffer>> {
+    values.as_ref().map(|v| f32s(ctx, label, v)).transpose()
 }
 
 /// Runs `operation` with out-of-memory errors caught; `what` names what did not fit.
@@ -264,17 +271,9 @@ impl<'m> GpuWeights<'m> {
                 let name = |s: &str| format!("layer {l} {s}");
                 layer.experts = Some(ResidentExperts {
                     gate_up: GpuExperts::upload(ctx, &name("gate_up"), &w.gate_up)?,
-                    gate_up_bias: f32s(
-                        ctx,
-                        &name("gate_up bias"),
-                        gpt_oss_part(&w.gate_up_bias, "expert biases")?,
-                    )?,
+                    gate_up_bias: optional_f32s(ctx, &name("gate_up bias"), &w.gate_up_bias)?,
                     down: GpuExperts::upload(ctx, &name("down"), &w.down)?,
-                    down_bias: f32s(
-                        ctx,
-                        &name("down bias"),
-                        gpt_oss_part(&w.down_bias, "expert biases")?,
-                    )?,
+                    down_bias: optional_f32s(ctx, &name("down bias"), &w.down_bias)?,
                 });
             }
             Ok(())
@@ -288,13 +287,17 @@ impl<'m> GpuWeights<'m> {
         let what = format!("{slots} cached experts");
         let pool = catching_oom(&ctx.device, &what, || {
             let f = |n: usize| (n.max(1) * 4) as u64;
+            let biases = match first.down_bias {
+                Some(_) => Some([
+                    ctx.zeroed("cached gate_up bias", f(slots * 2 * cfg.intermediate_size))?,
+                    ctx.zeroed("cached down bias", f(slots * cfg.hidden_size))?,
+                ]),
+                None => None,
+            };
             Ok(ExpertPool::new(
                 GpuExperts::pool(ctx, "cached gate_up", &first.gate_up, slots)?,
                 GpuExperts::pool(ctx, "cached down", &first.down, slots)?,
-                [
-                    ctx.zeroed("cached gate_up bias", f(slots * 2 * cfg.intermediate_size))?,
-                    ctx.zeroed("cached down bias", f(slots * cfg.hidden_size))?,
-                ],
+                biases,
                 slots,
             ))
         })?;
@@ -341,8 +344,7 @@ fn stacked_bias(
 /// Uploads layer `l`'s dense weights (its experts come later).
 fn upload_layer(ctx: &GpuContext, l: usize, w: &crate::weights::LayerWeights) -> Result<GpuLayer> {
     let name = |s: &str| format!("layer {l} {s}");
-    let optional =
-        |b: &Option<Vec<f32>>, s: &str| b.as_ref().map(|v| f32s(ctx, &name(s), v)).transpose();
+    let optional = |b: &Option<Vec<f32>>, s: &str| optional_f32s(ctx, &name(s), b);
     Ok(GpuLayer {
         input_norm: f32s(ctx, &name("input norm"), &w.input_norm)?,
         post_attention_norm: f32s(ctx, &name("post norm"), &w.post_attention_norm)?,
@@ -351,13 +353,11 @@ fn upload_layer(ctx: &GpuContext, l: usize, w: &crate::weights::LayerWeights) ->
         qkv_bias: stacked_bias(ctx, &name("q/k/v bias"), w)?,
         o: GpuMatrix::upload(ctx, &name("o"), &w.o)?,
         o_bias: optional(&w.o_bias, "o bias")?,
-        sinks: f32s(ctx, &name("sinks"), gpt_oss_part(&w.sinks, "sinks")?)?,
+        q_norm: optional(&w.q_norm, "q norm")?,
+        k_norm: optional(&w.k_norm, "k norm")?,
+        sinks: optional(&w.sinks, "sinks")?,
         router: GpuMatrix::upload(ctx, &name("router"), &w.router)?,
-        router_bias: f32s(
-            ctx,
-            &name("router bias"),
-            gpt_oss_part(&w.router_bias, "router bias")?,
-        )?,
+        router_bias: optional(&w.router_bias, "router bias")?,
         experts: None,
     })
 }
