@@ -39,6 +39,16 @@ pub enum FlatFormat {
     Int4,
 }
 
+impl FlatFormat {
+    /// The format as `--experts` names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            FlatFormat::Mxfp4 => "mxfp4",
+            FlatFormat::Int4 => "int4",
+        }
+    }
+}
+
 impl std::str::FromStr for FlatFormat {
     type Err = String;
 
@@ -379,6 +389,51 @@ pub fn quantize_int4(values: &[f32], cols: usize) -> (Vec<u8>, Vec<u8>) {
     (packed, scales)
 }
 
+/// MXFP4 of `[rows, cols]` f32 weights (OCP MX): per 32 inputs one E8M0 scale `2^(floor(log2
+/// max|w|) - 2)` (so the largest value lands in E2M1's top binade, whose largest is 6) and each
+/// weight rounded to the nearest E2M1 value of `w / scale` (ties to the even code, beyond 6 to 6),
+/// low nibble first. Returns (blocks, scales).
+pub fn quantize_mxfp4(values: &[f32], cols: usize) -> (Vec<u8>, Vec<u8>) {
+    debug_assert!(cols.is_multiple_of(32));
+    let mut blocks = Vec::with_capacity(values.len() / 2);
+    let mut scales = Vec::with_capacity(values.len() / 32);
+    // The non-negative E2M1 values by code 0..=7; code | 8 is the negative.
+    let magnitudes = &crate::formats::FP4_VALUES[..8];
+    let code = |v: f32| -> u8 {
+        let target = v.abs().min(6.0);
+        let mut best = 0;
+        for (c, m) in magnitudes.iter().enumerate() {
+            let (d, best_d) = ((m - target).abs(), (magnitudes[best] - target).abs());
+            // Nearer, or as near with an even code (round half to even).
+            if d < best_d || (d == best_d && c % 2 == 0) {
+                best = c;
+            }
+        }
+        best as u8
+            | if v.is_sign_negative() && best != 0 {
+                8
+            } else {
+                0
+            }
+    };
+    for group in values.chunks_exact(32) {
+        let max = group.iter().fold(0f32, |m, v| m.max(v.abs()));
+        // E8M0 exponents cover 2^-127..=2^127; an all-zero group takes the smallest.
+        let exponent = if max > 0.0 {
+            (max.log2().floor() as i32 - 2).clamp(-127, 127)
+        } else {
+            -127
+        };
+        let byte = (exponent + 127) as u8;
+        let scale = crate::formats::e8m0_scale(byte);
+        scales.push(byte);
+        for pair in group.chunks_exact(2) {
+            blocks.push(code(pair[0] / scale) | (code(pair[1] / scale) << 4));
+        }
+    }
+    (blocks, scales)
+}
+
 /// Expert `e` of `m` in `format`: (weights, scales).
 fn convert_expert(m: &ExpertMatrices, e: usize, format: FlatFormat) -> Result<(Vec<u8>, Vec<u8>)> {
     match (format, m) {
@@ -386,8 +441,12 @@ fn convert_expert(m: &ExpertMatrices, e: usize, format: FlatFormat) -> Result<(V
             let (w, s) = m.expert_parts(e);
             Ok((w.to_vec(), s.unwrap_or_default().to_vec()))
         }
-        (FlatFormat::Mxfp4, _) => Err(Error::Unsupported(
-            "--experts mxfp4 copies MXFP4 experts; these are not MXFP4 (use --experts int4)".into(),
+        // Float experts (Qwen3-MoE's bf16, unquantized GPT-OSS) are quantized.
+        (FlatFormat::Mxfp4, ExpertMatrices::Rows(_) | ExpertMatrices::Dense(_)) => {
+            Ok(quantize_mxfp4(&expert_rows(m, e)?, m.inputs()))
+        }
+        (FlatFormat::Mxfp4, ExpertMatrices::Int4(_)) => Err(Error::Unsupported(
+            "--experts mxfp4 from INT4 experts (convert the original checkpoint)".into(),
         )),
         (FlatFormat::Int4, _) => Ok(quantize_int4(&expert_rows(m, e)?, m.inputs())),
     }
@@ -418,6 +477,15 @@ pub fn convert(
     let cfg = Config::load(model_dir)?;
     let ck = Checkpoint::open(model_dir)?;
     let weights = ModelWeights::load(&ck, &cfg)?;
+    // 4-bit formats scale groups of 32 inputs: every row must be whole groups.
+    for inputs in [cfg.hidden_size, cfg.intermediate_size] {
+        if !inputs.is_multiple_of(32) {
+            return Err(Error::Unsupported(format!(
+                "--experts {}: an expert input size of {inputs} is not a multiple of 32, which 4-bit experts need",
+                format.name()
+            )));
+        }
+    }
     // Written beside `out` and renamed when complete: an interrupted run leaves no `out` to
     // mistake for a store, and its leftovers are removed by the next run.
     let partial = partial_dir(out)?;
@@ -563,6 +631,28 @@ fn write_store(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mxfp4_keeps_representable_values_and_rounds_the_rest_to_the_nearest() {
+        // A group whose values are E2M1 codes times 2^-3: stored exactly.
+        let fp4 = crate::formats::FP4_VALUES;
+        let exact: Vec<f32> = (0..32).map(|i| fp4[i % 16] * 0.125).collect();
+        let (blocks, scales) = quantize_mxfp4(&exact, 32);
+        let mut back = vec![0f32; 32];
+        crate::formats::dequantize_mxfp4_row(&blocks, &scales, &mut back);
+        for (got, want) in back.iter().zip(&exact) {
+            assert_eq!(got, want);
+        }
+        // max 6 * 2^-3 = 0.75: scale 2^-3; 0.3 / 0.125 = 2.4 rounds to 2, 0.32 -> 2.56 to 3,
+        // 0.3125 -> 2.5 (a tie) to 2 (even code 4), -0.8 beyond the top to -6.
+        let mut values = vec![0f32; 32];
+        values[..5].copy_from_slice(&[0.75, 0.3, 0.32, 0.3125, -0.8]);
+        let (blocks, scales) = quantize_mxfp4(&values, 32);
+        crate::formats::dequantize_mxfp4_row(&blocks, &scales, &mut back);
+        assert_eq!(scales, [124]);
+        assert_eq!(&back[..5], &[0.75, 0.25, 0.375, 0.25, -0.75]);
+        assert!(back[5..].iter().all(|v| *v == 0.0));
+    }
 
     #[test]
     fn int4_round_trips_within_half_a_step() {

@@ -51,6 +51,12 @@ enum ShapeArg {
     /// The tiny model with o200k_harmony's vocabulary (about 52 MB), for chat and serve.
     #[value(name = "tiny-harmony")]
     TinyHarmony,
+    /// Qwen3-30B-A3B-Instruct-2507's config and hub layout (61 GB, bf16 experts).
+    #[value(name = "qwen3-30b-a3b")]
+    Qwen3_30bA3b,
+    /// Qwen3-235B-A22B-Instruct-2507's config and hub layout (470 GB).
+    #[value(name = "qwen3-235b-a22b")]
+    Qwen3_235bA22b,
 }
 
 impl From<Backend> for BackendChoice {
@@ -176,8 +182,9 @@ struct PromptArgs {
         conflicts_with = "prompt"
     )]
     ids: Vec<u32>,
-    /// The prompt as text instead of ids, encoded with o200k_harmony (special-token names such
-    /// as <|start|> become those tokens).
+    /// The prompt as text instead of ids, encoded with o200k_harmony for GPT-OSS, with the
+    /// checkpoint's tokenizer.json for other families (special-token names such as <|start|> or
+    /// <|im_start|> become those tokens).
     #[arg(long, value_name = "TEXT")]
     prompt: Option<String>,
     /// Most tokens to generate.
@@ -288,16 +295,11 @@ enum OnOff {
 }
 
 impl PromptArgs {
-    /// The prompt's ids: `--ids`, or `--prompt` encoded with GPT-OSS's vocabulary (the one
-    /// tokenizer picchio has; other families take `--ids`).
+    /// The prompt's ids: `--ids`, or `--prompt` encoded with the model's tokenizer
+    /// (`ModelText`).
     fn prompt_ids(&self, config: &picchio::config::Config) -> Result<Vec<u32>> {
         match &self.prompt {
-            Some(_) if config.family != picchio::arch::Family::GptOss => Err(anyhow::anyhow!(
-                "--prompt encodes with o200k_harmony, GPT-OSS's vocabulary; picchio does not read a {} model's tokenizer yet: pass token ids with --ids",
-                config.family.model_type()
-            )),
-            Some(text) => Ok(picchio::chat::tokenizer::Tokenizer::o200k_harmony()
-                .encode_with_special_tokens(text)),
+            Some(text) => ModelText::of(&self.model.model, config)?.encode(text),
             None => Ok(self.ids.clone()),
         }
     }
@@ -369,10 +371,10 @@ enum Command {
         /// Seed of the random weights (the bytes depend only on it).
         #[arg(long, default_value_t = 0, value_name = "S")]
         seed: u64,
-        /// Close a shard before it passes this many bytes (a plain number; the published files
-        /// use 4.8 GB).
-        #[arg(long, default_value_t = picchio::synth::DEFAULT_SHARD_BYTES, value_name = "BYTES")]
-        shard_bytes: u64,
+        /// Close a shard before it passes this many bytes (a plain number; default: where the
+        /// published files cut, 4.8 GB for GPT-OSS, 4 GB for Qwen3-MoE).
+        #[arg(long, value_name = "BYTES")]
+        shard_bytes: Option<u64>,
     },
     /// Chat in the terminal: type a message, read the answer as it is generated.
     Chat {
@@ -589,8 +591,9 @@ enum Command {
         /// Replace --out's contents once the conversion is complete.
         #[arg(long)]
         force: bool,
-        /// mxfp4: the checkpoint's MXFP4 bytes, bit for bit; int4: group-scaled INT4 (32 inputs
-        /// per f16 scale), quantized from the exact weights (lossy).
+        /// mxfp4: the checkpoint's MXFP4 bytes, bit for bit, or float experts (Qwen3-MoE's bf16)
+        /// quantized to MXFP4 (lossy); int4: group-scaled INT4 (32 inputs per f16 scale),
+        /// quantized from the exact weights (lossy).
         #[arg(long, default_value = "mxfp4", value_name = "mxfp4|int4")]
         experts: picchio::flat_store::FlatFormat,
     },
@@ -736,8 +739,10 @@ fn run(cli: Cli) -> Result<()> {
                     "decode_tokens_per_s": out.decode_tokens_per_s(),
                     "stop_reason": format!("{:?}", out.stop).to_lowercase(),
                     "interrupted": interrupted,
-                    // The generated text, for models with the o200k_harmony vocabulary.
-                    "text": harmony_text(&loaded.config, &out.generated_ids),
+                    // The generated text, where the model's tokenizer is known.
+                    "text": ModelText::of(model, &loaded.config)
+                        .ok()
+                        .and_then(|t| t.decode(&out.generated_ids)),
                 });
                 if let Some(rows) = &kernel_times {
                     object["profile"] = serde_json::to_value(rows)?;
@@ -1101,16 +1106,54 @@ fn run(cli: Cli) -> Result<()> {
     }
 }
 
-/// `ids` as text when the model's vocabulary is o200k_harmony's (null otherwise, or when they
-/// do not decode).
-fn harmony_text(config: &picchio::config::Config, ids: &[u32]) -> Option<String> {
-    (config.vocab_size >= picchio::chat::tokenizer::HARMONY_VOCAB_SIZE)
-        .then(|| {
-            picchio::chat::tokenizer::Tokenizer::o200k_harmony()
-                .decode_lossy(ids)
-                .ok()
+/// A model's tokenizer for text in and out: o200k_harmony for GPT-OSS (whose checkpoints all
+/// use it), the checkpoint's `tokenizer.json` for the other families.
+enum ModelText {
+    Harmony { vocab_size: usize },
+    Checkpoint(Box<picchio::chat::hf_tokenizer::HfTokenizer>),
+}
+
+impl ModelText {
+    fn of(dir: &std::path::Path, config: &picchio::config::Config) -> Result<ModelText> {
+        if config.family == picchio::arch::Family::GptOss {
+            return Ok(ModelText::Harmony {
+                vocab_size: config.vocab_size,
+            });
+        }
+        let tokenizer = picchio::chat::hf_tokenizer::HfTokenizer::load(dir)?;
+        let tokenizer = tokenizer.ok_or_else(|| {
+            anyhow::anyhow!(
+                "{} has no tokenizer.json to encode text with: pass token ids with --ids",
+                dir.display()
+            )
+        })?;
+        Ok(ModelText::Checkpoint(Box::new(tokenizer)))
+    }
+
+    /// Ids of `text`, special-token names included.
+    fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        Ok(match self {
+            ModelText::Harmony { .. } => picchio::chat::tokenizer::Tokenizer::o200k_harmony()
+                .encode_with_special_tokens(text),
+            ModelText::Checkpoint(tokenizer) => tokenizer.encode(text)?,
         })
-        .flatten()
+    }
+
+    /// `ids` as text (None where they do not decode, or a GPT-OSS-shaped test model's
+    /// vocabulary is not o200k_harmony's).
+    fn decode(&self, ids: &[u32]) -> Option<String> {
+        match self {
+            ModelText::Harmony { vocab_size } => (*vocab_size
+                >= picchio::chat::tokenizer::HARMONY_VOCAB_SIZE)
+                .then(|| {
+                    picchio::chat::tokenizer::Tokenizer::o200k_harmony()
+                        .decode_lossy(ids)
+                        .ok()
+                })
+                .flatten(),
+            ModelText::Checkpoint(tokenizer) => tokenizer.decode(ids).ok(),
+        }
+    }
 }
 
 /// Positions a chat session holds: `--context`, else 4096 (at most what the model supports).
@@ -1311,14 +1354,17 @@ fn devices(json: bool) -> Result<()> {
     Ok(())
 }
 
-fn synth(shape: ShapeArg, out: PathBuf, seed: u64, shard_bytes: u64) -> Result<()> {
+fn synth(shape: ShapeArg, out: PathBuf, seed: u64, shard_bytes: Option<u64>) -> Result<()> {
     use picchio::synth::{SynthOptions, SynthShape, planned_bytes, synthesize};
     let shape = match shape {
         ShapeArg::GptOss20b => SynthShape::GptOss20b,
         ShapeArg::GptOss120b => SynthShape::GptOss120b,
         ShapeArg::Tiny => SynthShape::Tiny,
         ShapeArg::TinyHarmony => SynthShape::TinyHarmony,
+        ShapeArg::Qwen3_30bA3b => SynthShape::Qwen3_30bA3b,
+        ShapeArg::Qwen3_235bA22b => SynthShape::Qwen3_235bA22b,
     };
+    let shard_bytes = shard_bytes.unwrap_or(shape.default_shard_bytes());
     if shard_bytes == 0 {
         bail!("--shard-bytes must be positive");
     }

@@ -1,7 +1,9 @@
-//! Random GPT-OSS checkpoints in the real Hugging Face layout, for benchmarks: the published
-//! config.json, MXFP4 experts (random codes, E8M0 scales that keep activations sane), bf16 dense
-//! weights, sharded like the published checkpoints (greedy cut at about 4.8 GB, openai's 0-based
-//! shard names, `model.safetensors.index.json`).
+//! Random checkpoints in the real Hugging Face layout, for benchmarks: the published config.json;
+//! for GPT-OSS, MXFP4 experts (random codes, E8M0 scales that keep activations sane) and bf16
+//! dense weights, sharded like the published checkpoints (greedy cut at about 4.8 GB, openai's
+//! 0-based shard names); for Qwen3-MoE, bf16 everything with the hub's per-expert tensors, cut
+//! at about 4 GB into 1-based shards (`model-00001-of-00016.safetensors` for 30B-A3B) and its
+//! generation_config.json. Sharded checkpoints get `model.safetensors.index.json`.
 //!
 //! The values are random, so routing is not what a trained model does: use these checkpoints for
 //! speed and memory, never for quality.
@@ -12,7 +14,7 @@ use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
 
-use crate::arch::gpt_oss;
+use crate::arch::{Family, gpt_oss};
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::random::splitmix64;
@@ -27,6 +29,10 @@ pub enum SynthShape {
     /// The tiny model with o200k_harmony's vocabulary (201088 tokens, EOS `<|return|>`): what
     /// chat and serving tests run on (about 52 MB, so made by the tests, not committed).
     TinyHarmony,
+    /// Qwen3-30B-A3B-Instruct-2507's config and hub layout (61 GB, bf16 experts).
+    Qwen3_30bA3b,
+    /// Qwen3-235B-A22B-Instruct-2507's config and hub layout (470 GB).
+    Qwen3_235bA22b,
 }
 
 impl SynthShape {
@@ -37,6 +43,31 @@ impl SynthShape {
             SynthShape::GptOss120b => include_str!("../fixtures/configs/gpt-oss-120b.config.json"),
             SynthShape::Tiny => include_str!("../fixtures/tiny-single/config.json"),
             SynthShape::TinyHarmony => include_str!("../fixtures/configs/tiny-harmony.config.json"),
+            SynthShape::Qwen3_30bA3b => {
+                include_str!("../fixtures/configs/qwen3-30b-a3b.config.json")
+            }
+            SynthShape::Qwen3_235bA22b => {
+                include_str!("../fixtures/configs/qwen3-235b-a22b.config.json")
+            }
+        }
+    }
+
+    /// The generation_config.json text where the published checkpoint's stop ids are not all
+    /// in config.json (Qwen3's: `<|im_end|>` and `<|endoftext|>`; the 235B's are the same).
+    pub fn generation_config_text(self) -> Option<&'static str> {
+        match self {
+            SynthShape::Qwen3_30bA3b | SynthShape::Qwen3_235bA22b => Some(include_str!(
+                "../fixtures/configs/qwen3-30b-a3b.generation_config.json"
+            )),
+            _ => None,
+        }
+    }
+
+    /// Where the published checkpoint cuts its shards.
+    pub fn default_shard_bytes(self) -> u64 {
+        match self {
+            SynthShape::Qwen3_30bA3b | SynthShape::Qwen3_235bA22b => QWEN3_SHARD_BYTES,
+            _ => DEFAULT_SHARD_BYTES,
         }
     }
 }
@@ -51,8 +82,10 @@ pub struct SynthOptions {
     pub shard_bytes: u64,
 }
 
-/// The published checkpoints' shard size.
+/// The published GPT-OSS checkpoints' shard size.
 pub const DEFAULT_SHARD_BYTES: u64 = 4_800_000_000;
+/// About where Qwen3-MoE's hub checkpoints cut (16 shards for 30B-A3B).
+const QWEN3_SHARD_BYTES: u64 = 4_000_000_000;
 
 /// How a tensor's bytes are made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,8 +117,73 @@ impl Planned {
     }
 }
 
-/// Every tensor of a GPT-OSS checkpoint for `cfg`, in checkpoint order.
+/// Every tensor of a checkpoint for `cfg`, in checkpoint order.
 fn plan(cfg: &Config) -> Vec<Planned> {
+    match cfg.family {
+        Family::GptOss => plan_gpt_oss(cfg),
+        Family::Qwen3Moe => plan_qwen3_moe(cfg),
+    }
+}
+
+/// A Qwen3-MoE checkpoint's tensors in the hub's layer order, bf16: per layer the norms, q/k/v/o,
+/// the per-head q/k norms, the router and each expert's gate, up and down.
+fn plan_qwen3_moe(cfg: &Config) -> Vec<Planned> {
+    let (h, i, e, d) = (
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        cfg.num_experts,
+        cfg.head_dim,
+    );
+    let t = |name: String, shape: Vec<usize>, content| Planned {
+        name,
+        dtype: "BF16",
+        shape,
+        content,
+    };
+    let mut tensors = vec![t(
+        gpt_oss::EMBEDDINGS.into(),
+        vec![cfg.vocab_size, h],
+        Content::Weights,
+    )];
+    for l in 0..cfg.num_layers {
+        let names = gpt_oss::layer_tensors(l);
+        let layer = format!("model.layers.{l}");
+        tensors.push(t(names.input_norm.clone(), vec![h], Content::Ones));
+        for (name, rows, cols) in [
+            (&names.q, cfg.q_dim(), h),
+            (&names.k, cfg.kv_dim(), h),
+            (&names.v, cfg.kv_dim(), h),
+            (&names.o, h, cfg.q_dim()),
+        ] {
+            tensors.push(t(name.clone(), vec![rows, cols], Content::Weights));
+        }
+        for norm in ["q_norm", "k_norm"] {
+            let name = format!("{layer}.self_attn.{norm}.weight");
+            tensors.push(t(name, vec![d], Content::Ones));
+        }
+        tensors.push(t(names.post_attention_norm.clone(), vec![h], Content::Ones));
+        let router = format!("{layer}.mlp.gate.weight");
+        tensors.push(t(router, vec![e, h], Content::Weights));
+        for x in 0..e {
+            for (projection, rows, cols) in
+                [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)]
+            {
+                let name = format!("{layer}.mlp.experts.{x}.{projection}.weight");
+                tensors.push(t(name, vec![rows, cols], Content::Weights));
+            }
+        }
+    }
+    tensors.push(t(gpt_oss::FINAL_NORM.into(), vec![h], Content::Ones));
+    tensors.push(t(
+        gpt_oss::LM_HEAD.into(),
+        vec![cfg.vocab_size, h],
+        Content::Weights,
+    ));
+    tensors
+}
+
+/// Every tensor of a GPT-OSS checkpoint for `cfg`, in checkpoint order.
+fn plan_gpt_oss(cfg: &Config) -> Vec<Planned> {
     let (h, i, e) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_experts);
     let t = |name: String, dtype, shape: Vec<usize>, content| Planned {
         name,
@@ -265,16 +363,23 @@ pub fn synthesize(options: &SynthOptions, progress: &(dyn Fn(u64) + Sync)) -> Re
     std::fs::create_dir_all(out).map_err(io(out))?;
     let config_path = out.join("config.json");
     std::fs::write(&config_path, text).map_err(io(&config_path))?;
+    if let Some(generation) = options.shape.generation_config_text() {
+        let path = out.join("generation_config.json");
+        std::fs::write(&path, generation).map_err(io(&path))?;
+    }
 
     let tensors = plan(&cfg);
     let shards = shard(&tensors, options.shard_bytes);
-    let names: Vec<String> = if shards.len() == 1 {
-        vec!["model.safetensors".into()]
-    } else {
-        let last = shards.len() - 1;
-        (0..shards.len())
-            .map(|s| format!("model-{s:05}-of-{last:05}.safetensors"))
-            .collect()
+    let count = shards.len();
+    let names: Vec<String> = match cfg.family {
+        _ if count == 1 => vec!["model.safetensors".into()],
+        // openai's 0-based names: model-00000-of-00002 ... model-00002-of-00002 for 3 files.
+        Family::GptOss => (0..count)
+            .map(|s| format!("model-{s:05}-of-{:05}.safetensors", count - 1))
+            .collect(),
+        Family::Qwen3Moe => (1..=count)
+            .map(|s| format!("model-{s:05}-of-{count:05}.safetensors"))
+            .collect(),
     };
     let mut weight_map = serde_json::Map::new();
     let mut report = SynthReport {
@@ -361,6 +466,21 @@ mod tests {
                 "{bytes}"
             );
         }
+    }
+
+    #[test]
+    fn real_qwen3_30b_a3b_layout() {
+        let shape = SynthShape::Qwen3_30bA3b;
+        let cfg = Config::from_json(shape.config_text(), Path::new("c")).unwrap();
+        let tensors = plan(&cfg);
+        // 3 E + 9 tensors per layer, plus embeddings, final norm and LM head.
+        assert_eq!(tensors.len(), 48 * (3 * 128 + 9) + 3);
+        let total: u64 = tensors.iter().map(Planned::bytes).sum();
+        assert_eq!(total, 61_064_245_248);
+        assert_eq!(shard(&tensors, shape.default_shard_bytes()).len(), 16);
+        assert!(tensors.iter().any(|t| t.name
+            == "model.layers.47.mlp.experts.127.down_proj.weight"
+            && t.shape == [2048, 768]));
     }
 
     #[test]

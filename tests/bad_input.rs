@@ -237,7 +237,7 @@ fn good_input_still_works_through_the_cli() {
     let (ok, stdout, stderr) = picchio(&["inspect", "--model", d]);
     assert!(ok, "{stderr}");
     assert!(stdout.contains("model.layers.3.mlp.experts.down_proj_blocks"));
-    assert!(stdout.contains("experts (mxfp4"));
+    assert!(stdout.contains("experts (weights, scales, biases)"));
 
     // The CPU tier reads experts and saves their usage in the user's cache directory, keyed by
     // the model; beside the model only when asked.

@@ -219,9 +219,11 @@ fn damaged_or_mismatched_stores_are_clear_errors() {
         .unwrap_err()
         .to_string();
     assert!(error.contains("not empty"), "{error}");
+    // INT4 experts are not quantized again.
+    let int4 = converted(&fixtures_dir().join("tiny-unquantized"), FlatFormat::Int4);
     let fresh = tempfile::tempdir().unwrap();
     let error = convert(
-        &fixtures_dir().join("tiny-unquantized"),
+        int4.path(),
         &fresh.path().join("x"),
         FlatFormat::Mxfp4,
         false,
@@ -229,7 +231,7 @@ fn damaged_or_mismatched_stores_are_clear_errors() {
     )
     .unwrap_err()
     .to_string();
-    assert!(error.contains("int4"), "{error}");
+    assert!(error.contains("INT4"), "{error}");
 }
 
 /// Fault injection: the records file cut short in the middle of a run (every expert read from
@@ -330,4 +332,46 @@ fn direct_io_streaming_with_staged_prefetch_keeps_the_tokens() {
     assert!(run.disk_bound_s_per_token.is_some_and(|s| s > 0.0));
     assert!(run.disk_roofline_fraction.is_some_and(|f| f > 0.0));
     assert_eq!(run.prefetch_distance, 2);
+}
+
+/// Qwen3-MoE's bf16 experts quantized by `convert` (MXFP4 and INT4): both tiers run the quantized
+/// store with the same tokens, and its top-1 agreement with the exact path over 256 steps,
+/// teacher-forced on the exact path's tokens, is reported per fixture.
+#[test]
+fn qwen3_experts_quantize_to_mxfp4_and_int4_and_report_their_agreement() {
+    use picchio::model::agreement::top1_agreement;
+    const STEPS: usize = 256;
+    for format in [FlatFormat::Mxfp4, FlatFormat::Int4] {
+        let (mut agreeing, mut steps) = (0, 0);
+        for dir in qwen3_fixture_dirs() {
+            let reference = reference(&dir);
+            let config = picchio::Config::load(&dir).unwrap();
+            if !config.intermediate_size.is_multiple_of(32) {
+                // 4-bit formats scale whole groups of 32 inputs: refused by name.
+                let out = tempfile::tempdir().unwrap();
+                let error = convert(&dir, out.path(), format, false, &|_| {}).unwrap_err();
+                assert!(error.to_string().contains("multiple of 32"), "{error}");
+                continue;
+            }
+            let out = converted(&dir, format);
+            let quantized = load(out.path(), RamBudget::Auto, false);
+            let what = format!("{} as {format:?}", dir.display());
+            let cpu = cpu_ids(&quantized, &reference.prompt_ids, 32);
+            let vram = VramBudget::Percent(50.0);
+            if let Some(gpu) = gpu_ids(&quantized, &reference.prompt_ids, vram, 32) {
+                assert_eq!(gpu, cpu, "{what}: the GPU vs the CPU");
+            }
+            let exact = Model::load(&dir).unwrap();
+            let report = top1_agreement(&exact, &quantized, &reference.prompt_ids, STEPS).unwrap();
+            eprintln!(
+                "{what}: top-1 agrees at {} of {STEPS} steps (first difference at {:?})",
+                report.agreeing, report.first_disagreement
+            );
+            // Random tiny models have top-2 margins down to 1e-2: some steps flip.
+            assert!(report.rate >= 0.5, "{what}: {} of {STEPS}", report.agreeing);
+            agreeing += report.agreeing;
+            steps += report.steps;
+        }
+        eprintln!("{format:?} total: {agreeing} of {steps} steps agree");
+    }
 }

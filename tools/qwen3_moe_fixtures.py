@@ -16,6 +16,7 @@ import torch
 import transformers
 from transformers import Qwen3MoeForCausalLM
 
+import qwen3_chat_fixture as chat
 from fixture_common import bf16, greedy, layer_checkpoints, save_checkpoint
 
 # Each spec varies what a loader or a kernel could get wrong: head_dim vs hidden, expert count
@@ -107,6 +108,33 @@ FIXTURES = [
         tie_word_embeddings=True,
     ),
 ]
+
+
+# A checkpoint that chats: tools/qwen3_chat_fixture.py's tokenizer and template (its vocabulary
+# size and stop ids replace the spec's).
+FIXTURES.append(
+    dict(
+        name="tiny-qwen3-chat",
+        seed=15,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        vocab_size=512,
+        norm_topk_prob=True,
+        rope_theta=10000000.0,
+        eos_token_id=None,
+        spelling="hub",
+        layout="per_expert",
+        shards=1,
+        prompt_len=16,
+        chat=True,
+    )
+)
 
 
 def random_spec(index, seed):
@@ -288,6 +316,10 @@ def build(spec, out_root, new_tokens, top):
     os.makedirs(out_dir)
     rng = np.random.default_rng(spec["seed"])
     torch.manual_seed(spec["seed"])
+    if spec.get("chat"):
+        vocab, ids = chat.write_tokenizer(out_dir, spec["vocab_size"])
+        chat.write_generation_config(out_dir, ids)
+        spec = dict(spec, vocab_size=vocab, eos_token_id=ids["<|im_end|>"])
     config = make_config(spec)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
@@ -314,4 +346,6 @@ def build(spec, out_root, new_tokens, top):
     }
     with open(os.path.join(out_dir, "reference.json"), "w") as f:
         json.dump(reference, f)
+    if spec.get("chat"):
+        chat.write_chat_reference(out_dir)
     print(f"{spec['name']}: prompt {len(prompt)} ids, generated {ids[:8]}..., min margin {reference['min_margin']:.4f}")

@@ -1,9 +1,12 @@
-//! Chat: the o200k_harmony tokenizer and the Harmony format GPT-OSS is trained on.
+//! Chat: the o200k_harmony tokenizer and the Harmony format GPT-OSS is trained on; for other
+//! families, the checkpoint's own tokenizer and Jinja chat template.
 
 pub mod harmony;
+pub mod hf_tokenizer;
 pub mod lines;
 pub mod parser;
 pub mod stdio;
+pub mod template;
 pub mod terminal;
 pub mod tokenizer;
 
