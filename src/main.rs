@@ -123,18 +123,29 @@ struct ModelArgs {
 }
 
 impl ModelArgs {
-    /// `load` for chatting on `backend`: the checkpoint's tokenizer.json (when it has one) must
-    /// agree with o200k_harmony's special tokens.
-    fn load_for_chat(&self, backend: Backend) -> Result<Model> {
-        let family = picchio::config::Config::load(&self.model)?.family;
-        if family != picchio::arch::Family::GptOss {
-            anyhow::bail!(
-                "chat, serve and stdio speak Harmony, GPT-OSS's chat format; picchio does not read a {} model's tokenizer and chat template yet (generate --ids runs it)",
-                family.model_type()
-            );
+    /// `load` for chatting on `backend` with the model's chat format: for GPT-OSS, Harmony (the
+    /// checkpoint's tokenizer.json, when it has one, must agree with o200k_harmony's special
+    /// tokens); for other families, the checkpoint's template and tokenizer, which only the
+    /// HTTP server reads so far (`harmony_only`: the terminal chat and stdio refuse them).
+    fn load_for_chat(
+        &self,
+        backend: Backend,
+        harmony_only: bool,
+    ) -> Result<(Model, picchio::chat::format::ChatFormat)> {
+        use picchio::chat::format::ChatFormat;
+        let config = picchio::config::Config::load(&self.model)?;
+        let format = ChatFormat::for_model(&self.model, &config)?;
+        match format {
+            ChatFormat::Harmony => {
+                picchio::chat::tokenizer::Tokenizer::check_checkpoint(&self.model)?
+            }
+            ChatFormat::Template(_) if harmony_only => anyhow::bail!(
+                "chat and serve --stdio speak Harmony, GPT-OSS's chat format; a {} model chats through serve's HTTP API",
+                config.family.model_type()
+            ),
+            ChatFormat::Template(_) => {}
         }
-        picchio::chat::tokenizer::Tokenizer::check_checkpoint(&self.model)?;
-        self.load_for(backend.into())
+        Ok((self.load_for(backend.into())?, format))
     }
 
     fn load(&self) -> Result<Model> {
@@ -919,7 +930,7 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             use std::io::IsTerminal;
             let sampling = sampling.options()?;
-            let loaded = model.load_for_chat(backend)?;
+            let (loaded, _) = model.load_for_chat(backend, true)?;
             let context = session_context(&loaded, context)?;
             let options = picchio::chat::terminal::ChatOptions {
                 context,
@@ -1003,7 +1014,7 @@ fn run(cli: Cli) -> Result<()> {
                 body_timeout: std::time::Duration::from_secs(body_timeout),
                 allowed_hosts,
             };
-            let loaded = model.load_for_chat(backend)?;
+            let (loaded, format) = model.load_for_chat(backend, stdio)?;
             let context = session_context(&loaded, context)?;
             let tier = gpu.tier(backend);
             if stdio {
@@ -1026,7 +1037,9 @@ fn run(cli: Cli) -> Result<()> {
                     .unwrap_or_else(|| "picchio".into())
             });
             let ready = |address| eprintln!("picchio: listening on http://{address}");
-            picchio::serve::serve(loaded, name, context, tier, &host, port, limits, ready)?;
+            picchio::serve::serve(
+                loaded, format, name, context, tier, &host, port, limits, ready,
+            )?;
             Ok(())
         }
         Command::Tokenize {

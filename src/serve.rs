@@ -5,10 +5,10 @@
 //! (a client continuing its conversation recomputes only the new turn). A client that goes away
 //! stops its generation at the next token.
 //!
-//! Routes: `POST /v1/chat/completions` (Harmony rendering, tools, streaming), `POST
-//! /v1/completions` (raw text), `GET /v1/models`, `GET /health`. Errors are OpenAI-style JSON
-//! bodies with a 4xx status; nothing a client sends can crash the server or corrupt the session
-//! (requests are checked before the session is touched).
+//! Routes: `POST /v1/chat/completions` (Harmony, or the checkpoint's chat template; tools,
+//! streaming), `POST /v1/completions` (raw text), `GET /v1/models`, `GET /health`. Errors are
+//! OpenAI-style JSON bodies with a 4xx status; nothing a client sends can crash the server or
+//! corrupt the session (requests are checked before the session is touched).
 
 // Handlers' checks return the error response itself (axum's `Response` is large by design).
 #![allow(clippy::result_large_err)]
@@ -29,14 +29,16 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
+use crate::chat::format::{ChatFormat, TemplateChat, TextStream};
 use crate::chat::harmony::{
     ChatMessage, Conversation, DeveloperSettings, FunctionTool, ReasoningEffort, Role,
     SystemSettings,
 };
 use crate::chat::parser::{Event, StreamParser};
+use crate::chat::tagged::{Piece, TaggedParser};
 use crate::chat::tokenizer::{HARMONY_VOCAB_SIZE, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::Model;
@@ -118,6 +120,8 @@ struct Shared {
     stops: Vec<u32>,
     jobs: flume::Sender<Job>,
     tokenizer: Tokenizer,
+    /// Harmony (GPT-OSS) or the checkpoint's template and tokenizer.
+    format: ChatFormat,
     limits: ServeLimits,
     metrics: Arc<metrics::Metrics>,
     /// The model, for its expert counters in /metrics.
@@ -270,6 +274,10 @@ struct ChatRequest {
     #[serde(default)]
     stream: bool,
     reasoning_effort: Option<ReasoningEffort>,
+    /// Extra arguments of a checkpoint's chat template (`{"enable_thinking": false}`), as vLLM
+    /// and SGLang take them.
+    #[serde(default)]
+    chat_template_kwargs: Map<String, Value>,
     #[serde(flatten)]
     sampling: SamplingFields,
 }
@@ -440,6 +448,36 @@ fn conversation(request: &ChatRequest) -> std::result::Result<Conversation, Stri
     })
 }
 
+/// An OpenAI chat request rendered by the checkpoint's template: messages as sent (text parts
+/// joined), the tools unless `tool_choice` is "none", `chat_template_kwargs` as the template's
+/// arguments. Returns the ids and whether the reply starts inside `<think>`.
+fn template_prompt(
+    request: &ChatRequest,
+    chat: &TemplateChat,
+) -> std::result::Result<(Vec<u32>, bool), String> {
+    if request.reasoning_effort.is_some() {
+        return Err("reasoning_effort applies to GPT-OSS models; this model's template takes chat_template_kwargs (e.g. {\"enable_thinking\": false})".into());
+    }
+    let mut messages = Vec::with_capacity(request.messages.len());
+    for (i, m) in request.messages.iter().enumerate() {
+        if !m["role"].is_string() {
+            return Err(format!("messages[{i}] has no role"));
+        }
+        let mut message = m.clone();
+        let text = content_text(&m["content"]).map_err(|e| format!("messages[{i}]: {e}"))?;
+        message["content"] = Value::from(text);
+        messages.push(message);
+    }
+    if messages.is_empty() {
+        return Err("messages must hold at least one message".into());
+    }
+    check_tool_choice(request.tool_choice.as_ref(), &request.tools)?;
+    let tool_choice_none = request.tool_choice.as_ref().and_then(Value::as_str) == Some("none");
+    let tools = (!request.tools.is_empty() && !tool_choice_none).then_some(&request.tools[..]);
+    chat.prompt(&messages, tools, &request.chat_template_kwargs)
+        .map_err(|e| e.to_string())
+}
+
 impl Shared {
     /// Checks a request's model name.
     fn check_model(&self, model: &Option<String>) -> std::result::Result<(), Response> {
@@ -581,33 +619,36 @@ fn finish_reason(finish: Finish, tool_call: bool) -> &'static str {
     }
 }
 
-/// Turns worker replies into Harmony parser events; shared by the streaming and the plain
-/// chat responses.
+/// How a reply's tokens are read: Harmony's parser, or the checkpoint's tokenizer and Qwen3's
+/// tags.
+enum Reader {
+    Harmony(StreamParser),
+    Tagged {
+        chat: Arc<TemplateChat>,
+        text: TextStream,
+        parser: TaggedParser,
+        /// The stop tokens, which end the reply rather than being part of it.
+        stops: Vec<u32>,
+    },
+}
+
+/// Turns worker replies into content, reasoning and tool calls; shared by the streaming and the
+/// plain chat responses.
 struct ChatOutput {
-    parser: StreamParser,
+    reader: Reader,
     tool_calls: Vec<Value>,
     content: String,
     reasoning: String,
     completion_tokens: usize,
 }
 
-impl ChatOutput {
-    /// Text the model wrote outside any Harmony message (a model that does not follow the
-    /// format, or a header cut by max_tokens), shown as content rather than lost.
-    fn stray_text(&mut self) -> Option<String> {
-        if !self.content.is_empty() || !self.tool_calls.is_empty() {
-            return None;
-        }
-        let text = self.parser.unfinished_header()?.to_string();
-        (!text.is_empty()).then(|| {
-            self.content.push_str(&text);
-            text
-        })
-    }
+/// Deltas `(field, text)` for content and reasoning, and finished tool calls.
+type Deltas = (Vec<(&'static str, String)>, Vec<Value>);
 
-    fn new(tokenizer: Tokenizer) -> ChatOutput {
+impl ChatOutput {
+    fn new(reader: Reader) -> ChatOutput {
         ChatOutput {
-            parser: StreamParser::new(tokenizer),
+            reader,
             tool_calls: Vec::new(),
             content: String::new(),
             reasoning: String::new(),
@@ -615,13 +656,102 @@ impl ChatOutput {
         }
     }
 
-    /// Feeds a token; returns the deltas it makes: `(field, text)` for content and reasoning,
-    /// and finished tool calls.
-    fn push(&mut self, token: u32) -> (Vec<(&'static str, String)>, Vec<Value>) {
+    fn harmony(tokenizer: Tokenizer) -> ChatOutput {
+        ChatOutput::new(Reader::Harmony(StreamParser::new(tokenizer)))
+    }
+
+    fn tagged(chat: Arc<TemplateChat>, reasoning_open: bool, stops: Vec<u32>) -> ChatOutput {
+        ChatOutput::new(Reader::Tagged {
+            chat,
+            text: TextStream::default(),
+            parser: TaggedParser::new(reasoning_open),
+            stops,
+        })
+    }
+
+    /// Feeds a token; returns the deltas it makes.
+    fn push(&mut self, token: u32) -> Deltas {
         self.completion_tokens += 1;
-        let mut deltas = Vec::new();
-        let mut calls = Vec::new();
-        for event in self.parser.push(token).unwrap_or_default() {
+        match &mut self.reader {
+            Reader::Harmony(parser) => {
+                let events = parser.push(token).unwrap_or_default();
+                self.harmony_events(events)
+            }
+            Reader::Tagged {
+                chat,
+                text,
+                parser,
+                stops,
+            } => {
+                if stops.contains(&token) {
+                    return Default::default();
+                }
+                let pieces = parser.push(&text.push(&chat.tokenizer, token));
+                self.pieces(pieces)
+            }
+        }
+    }
+
+    /// What the reply left unfinished, at its end: text outside any Harmony message (a model
+    /// that does not follow the format, or a header cut by max_tokens) shown as content rather
+    /// than lost; or the tagged text held back.
+    fn finish(&mut self) -> Deltas {
+        match &mut self.reader {
+            Reader::Harmony(parser) => {
+                if !self.content.is_empty() || !self.tool_calls.is_empty() {
+                    return Default::default();
+                }
+                let text = parser.unfinished_header().unwrap_or_default().to_string();
+                if text.is_empty() {
+                    return Default::default();
+                }
+                self.content.push_str(&text);
+                (vec![("content", text)], Vec::new())
+            }
+            Reader::Tagged {
+                chat, text, parser, ..
+            } => {
+                let mut pieces = parser.push(&text.finish(&chat.tokenizer));
+                pieces.extend(parser.finish());
+                self.pieces(pieces)
+            }
+        }
+    }
+
+    fn add_text(&mut self, field: &'static str, text: String, deltas: &mut Vec<(&str, String)>) {
+        match field {
+            "content" => self.content.push_str(&text),
+            _ => self.reasoning.push_str(&text),
+        }
+        deltas.push((field, text));
+    }
+
+    fn add_call(&mut self, name: &str, arguments: String, calls: &mut Vec<Value>) {
+        let call = json!({
+            "index": self.tool_calls.len(),
+            "id": format!("call_{}", self.tool_calls.len()),
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        });
+        self.tool_calls.push(call.clone());
+        calls.push(call);
+    }
+
+    fn pieces(&mut self, pieces: Vec<Piece>) -> Deltas {
+        let (mut deltas, mut calls) = (Vec::new(), Vec::new());
+        for piece in pieces {
+            match piece {
+                Piece::Reasoning(text) => self.add_text("reasoning_content", text, &mut deltas),
+                Piece::Content(text) => self.add_text("content", text, &mut deltas),
+                Piece::ToolCall { name, arguments } => self.add_call(&name, arguments, &mut calls),
+            }
+        }
+        (deltas, calls)
+    }
+
+    fn harmony_events(&mut self, events: Vec<Event>) -> Deltas {
+        let (mut deltas, mut calls) = (Vec::new(), Vec::new());
+        for event in events {
             match event {
                 Event::Text { channel, text } => {
                     // Tool-call arguments arrive whole, with the call.
@@ -630,12 +760,7 @@ impl ChatOutput {
                         Some("commentary") => continue,
                         _ => "content",
                     };
-                    if field == "content" {
-                        self.content.push_str(&text);
-                    } else {
-                        self.reasoning.push_str(&text);
-                    }
-                    deltas.push((field, text));
+                    self.add_text(field, text, &mut deltas);
                 }
                 Event::Message(m) => {
                     if let Some(name) = m
@@ -643,24 +768,48 @@ impl ChatOutput {
                         .as_deref()
                         .and_then(|r| r.strip_prefix("functions."))
                     {
-                        let call = json!({
-                            "index": self.tool_calls.len(),
-                            "id": format!("call_{}", self.tool_calls.len()),
-                            "type": "function",
-                            "function": {"name": name, "arguments": m.content},
-                        });
-                        self.tool_calls.push(call.clone());
-                        calls.push(call);
+                        self.add_call(name, m.content, &mut calls);
                     } else if m.channel.as_deref() == Some("commentary") {
                         // Commentary to the user (a preamble) is content.
-                        self.content.push_str(&m.content);
-                        deltas.push(("content", m.content));
+                        self.add_text("content", m.content, &mut deltas);
                     }
                 }
                 Event::Stop(_) => {}
             }
         }
         (deltas, calls)
+    }
+}
+
+/// The prompt's ids and the reader of the reply, for the model's chat format.
+fn chat_prompt(
+    shared: &Shared,
+    request: &ChatRequest,
+) -> std::result::Result<(Vec<u32>, ChatOutput), Response> {
+    let invalid = |e: String| error(StatusCode::BAD_REQUEST, e, "invalid_messages");
+    match &shared.format {
+        ChatFormat::Template(chat) => {
+            let (ids, open) = template_prompt(request, chat).map_err(invalid)?;
+            let output = ChatOutput::tagged(chat.clone(), open, shared.stops.clone());
+            Ok((ids, output))
+        }
+        ChatFormat::Harmony => {
+            if shared.vocab_size < HARMONY_VOCAB_SIZE {
+                return Err(error(
+                    StatusCode::BAD_REQUEST,
+                    "chat needs a model with the o200k_harmony vocabulary; use /v1/completions",
+                    "unsupported_model",
+                ));
+            }
+            if !request.chat_template_kwargs.is_empty() {
+                return Err(invalid(
+                    "chat_template_kwargs apply to models with a Jinja chat template; GPT-OSS speaks Harmony (use reasoning_effort)".into(),
+                ));
+            }
+            let conversation = conversation(request).map_err(invalid)?;
+            let ids = conversation.render_for_completion(&shared.tokenizer);
+            Ok((ids, ChatOutput::harmony(shared.tokenizer)))
+        }
     }
 }
 
@@ -672,22 +821,14 @@ async fn chat_completions(
         Ok(r) => r,
         Err(response) => return response,
     };
-    if shared.vocab_size < HARMONY_VOCAB_SIZE {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "chat needs a model with the o200k_harmony vocabulary; use /v1/completions",
-            "unsupported_model",
-        );
-    }
     let sampling = match request.sampling.options() {
         Ok(s) => s,
         Err(e) => return error(StatusCode::BAD_REQUEST, e, "invalid_sampling"),
     };
-    let conversation = match conversation(&request) {
-        Ok(c) => c,
-        Err(e) => return error(StatusCode::BAD_REQUEST, e, "invalid_messages"),
+    let (ids, mut output) = match chat_prompt(&shared, &request) {
+        Ok(prompt) => prompt,
+        Err(response) => return response,
     };
-    let ids = conversation.render_for_completion(&shared.tokenizer);
     if let Err(response) = shared.check_prompt(&ids) {
         return response;
     }
@@ -700,7 +841,6 @@ async fn chat_completions(
     let created = now();
     let model = shared.name.clone();
     if request.stream {
-        let tokenizer = shared.tokenizer;
         let (events, stream) =
             mpsc::channel::<std::result::Result<SseEvent, std::convert::Infallible>>(64);
         tokio::spawn(async move {
@@ -718,7 +858,6 @@ async fn chat_completions(
             {
                 return;
             }
-            let mut output = ChatOutput::new(tokenizer);
             while let Some(reply) = replies.recv().await {
                 match reply {
                     Reply::Token(token) => {
@@ -755,8 +894,12 @@ async fn chat_completions(
                         finish,
                         ..
                     } => {
-                        if let Some(text) = output.stray_text() {
-                            let _ = events.send(chunk(json!({ "content": text }))).await;
+                        let (deltas, calls) = output.finish();
+                        for (field, text) in deltas {
+                            let _ = events.send(chunk(json!({ field: text }))).await;
+                        }
+                        for call in calls {
+                            let _ = events.send(chunk(json!({"tool_calls": [call]}))).await;
                         }
                         let reason = finish_reason(finish, !output.tool_calls.is_empty());
                         let last = json!({
@@ -788,7 +931,6 @@ async fn chat_completions(
             .keep_alive(KeepAlive::default())
             .into_response();
     }
-    let mut output = ChatOutput::new(shared.tokenizer);
     while let Some(reply) = replies.recv().await {
         match reply {
             Reply::Token(token) => {
@@ -799,7 +941,7 @@ async fn chat_completions(
                 reused,
                 finish,
             } => {
-                output.stray_text();
+                output.finish();
                 let tool_call = !output.tool_calls.is_empty();
                 let mut message = json!({
                     "role": "assistant",
@@ -842,7 +984,13 @@ async fn completions(
         Ok(s) => s,
         Err(e) => return error(StatusCode::BAD_REQUEST, e, "invalid_sampling"),
     };
-    let ids = shared.tokenizer.encode_with_special_tokens(&request.prompt);
+    let ids = match &shared.format {
+        ChatFormat::Harmony => shared.tokenizer.encode_with_special_tokens(&request.prompt),
+        ChatFormat::Template(chat) => match chat.tokenizer.encode(&request.prompt) {
+            Ok(ids) => ids,
+            Err(e) => return error(StatusCode::BAD_REQUEST, e.to_string(), "invalid_prompt"),
+        },
+    };
     if let Err(response) = shared.check_prompt(&ids) {
         return response;
     }
@@ -851,25 +999,32 @@ async fn completions(
         Err(response) => return response,
     };
     let (id, created, model) = (format!("cmpl-{}", now()), now(), shared.name.clone());
-    let tokenizer = shared.tokenizer;
+    let (tokenizer, format) = (shared.tokenizer, shared.format.clone());
     if request.stream {
         let (events, stream) =
             mpsc::channel::<std::result::Result<SseEvent, std::convert::Infallible>>(64);
         tokio::spawn(async move {
             let mut pending: Vec<u32> = Vec::new();
+            let mut stream_text = TextStream::default();
             while let Some(reply) = replies.recv().await {
                 let (text, finish) = match reply {
                     Reply::Token(token) => {
-                        pending.push(token);
                         // Whole characters only: wait while the bytes end mid-character (with a
                         // comment line, so that a hung-up client is still noticed).
-                        let bytes = tokenizer.decode_bytes(&pending).unwrap_or_default();
-                        match String::from_utf8(bytes) {
-                            Ok(text) => {
-                                pending.clear();
-                                (text, None)
+                        let text = match &format {
+                            ChatFormat::Harmony => {
+                                pending.push(token);
+                                let bytes = tokenizer.decode_bytes(&pending).unwrap_or_default();
+                                String::from_utf8(bytes).ok().inspect(|_| pending.clear())
                             }
-                            Err(_) => {
+                            ChatFormat::Template(chat) => {
+                                let text = stream_text.push(&chat.tokenizer, token);
+                                (!text.is_empty()).then_some(text)
+                            }
+                        };
+                        match text {
+                            Some(text) => (text, None),
+                            None => {
                                 if events
                                     .send(Ok(SseEvent::default().comment("")))
                                     .await
@@ -882,7 +1037,12 @@ async fn completions(
                         }
                     }
                     Reply::Done { finish, .. } => {
-                        let text = tokenizer.decode_lossy(&pending).unwrap_or_default();
+                        let text = match &format {
+                            ChatFormat::Harmony => {
+                                tokenizer.decode_lossy(&pending).unwrap_or_default()
+                            }
+                            ChatFormat::Template(chat) => stream_text.finish(&chat.tokenizer),
+                        };
                         (text, Some(finish_reason(finish, false)))
                     }
                     Reply::Failed(_) => (String::new(), Some("error")),
@@ -913,7 +1073,12 @@ async fn completions(
                 finish,
                 ..
             } => {
-                let text = tokenizer.decode_lossy(&tokens).unwrap_or_default();
+                let text = match &format {
+                    ChatFormat::Harmony => tokenizer.decode_lossy(&tokens).unwrap_or_default(),
+                    ChatFormat::Template(chat) => {
+                        chat.tokenizer.decode(&tokens).unwrap_or_default()
+                    }
+                };
                 return Json(json!({
                     "id": id, "object": "text_completion", "created": created, "model": model,
                     "choices": [{"index": 0, "text": text, "finish_reason": finish_reason(finish, false)}],
@@ -957,6 +1122,7 @@ async fn not_found() -> Response {
 #[allow(clippy::too_many_arguments)] // the CLI's serve options, each used once
 pub fn serve(
     model: Model,
+    format: ChatFormat,
     name: String,
     context: usize,
     tier: SessionTier,
@@ -999,6 +1165,7 @@ pub fn serve(
         stops: crate::chat::stop_ids(&model.config),
         jobs,
         tokenizer: Tokenizer::o200k_harmony(),
+        format,
         limits,
         metrics: counters.clone(),
         model,
@@ -1067,7 +1234,7 @@ mod tests {
 
     fn run(text: &str) -> (ChatOutput, Vec<(&'static str, String)>, Vec<Value>) {
         let tokenizer = Tokenizer::o200k_harmony();
-        let mut output = ChatOutput::new(tokenizer);
+        let mut output = ChatOutput::harmony(tokenizer);
         let (mut deltas, mut calls) = (Vec::new(), Vec::new());
         for token in tokenizer.encode_with_special_tokens(text) {
             let (d, c) = output.push(token);
@@ -1088,6 +1255,7 @@ mod tests {
             stops: Vec::new(),
             jobs,
             tokenizer: Tokenizer::o200k_harmony(),
+            format: ChatFormat::Harmony,
             limits: ServeLimits {
                 queue: 1,
                 ..Default::default()

@@ -8,7 +8,7 @@ use std::net::TcpStream;
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
-use common::http::{picchio, request, request_with, server, tiny_harmony};
+use common::http::{picchio, request, request_with, server, server_on, tiny_harmony};
 
 use serde_json::{Value, json};
 
@@ -654,4 +654,72 @@ fn connections_over_the_cap_are_refused_with_retry_after() {
         assert!(Instant::now() < deadline, "still refused: {reply}");
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// A Qwen3-MoE model chats through its own template and tokenizer: the prompt of a conversation
+/// with tools, tool calls and results is the one transformers renders (its token count), the
+/// reply streams, GPT-OSS's reasoning_effort is refused for it, and chat_template_kwargs are
+/// refused for a Harmony model.
+#[test]
+fn a_qwen3_model_chats_through_its_template() {
+    let dir = common::qwen3_fixture_dirs()
+        .into_iter()
+        .find(|d| d.join("chat_reference.json").is_file())
+        .unwrap();
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("chat_reference.json")).unwrap())
+            .unwrap();
+    let qwen = server_on(&dir, &["--backend", "cpu"]);
+    for case in reference["cases"].as_array().unwrap() {
+        if case["add_generation_prompt"] != json!(true) {
+            continue;
+        }
+        let mut body = json!({"messages": case["messages"], "max_tokens": 4, "temperature": 0,
+                              "chat_template_kwargs": case["template_arguments"]});
+        if !case["tools"].is_null() {
+            body["tools"] = case["tools"].clone();
+        }
+        let (status, reply) = post(qwen.port, "/v1/chat/completions", &body);
+        assert_eq!(status, 200, "{}: {reply}", case["name"]);
+        let want = case["ids"].as_array().unwrap().len();
+        assert_eq!(
+            reply["usage"]["prompt_tokens"],
+            json!(want),
+            "{}",
+            case["name"]
+        );
+        assert_eq!(reply["usage"]["completion_tokens"], json!(4));
+    }
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                      "stream": true});
+    let (status, text) = request(
+        qwen.port,
+        "POST",
+        "/v1/chat/completions",
+        Some(&body.to_string()),
+    );
+    assert_eq!(status, 200);
+    let data = events(&text);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{text}");
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": "low"});
+    let (status, reply) = post(qwen.port, "/v1/chat/completions", &body);
+    assert_eq!(status, 400);
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("chat_template_kwargs")
+    );
+
+    let harmony = server(&[]);
+    let body = json!({"messages": [{"role": "user", "content": "Hi"}],
+                      "chat_template_kwargs": {"enable_thinking": false}});
+    let (status, reply) = post(harmony.port, "/v1/chat/completions", &body);
+    assert_eq!(status, 400, "{reply}");
+    assert!(
+        reply["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("Harmony")
+    );
 }

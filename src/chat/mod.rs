@@ -1,11 +1,13 @@
 //! Chat: the o200k_harmony tokenizer and the Harmony format GPT-OSS is trained on; for other
 //! families, the checkpoint's own tokenizer and Jinja chat template.
 
+pub mod format;
 pub mod harmony;
 pub mod hf_tokenizer;
 pub mod lines;
 pub mod parser;
 pub mod stdio;
+pub mod tagged;
 pub mod template;
 pub mod terminal;
 pub mod tokenizer;

@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 pub struct Server {
     pub child: Child,
     pub port: u16,
-    _model: tempfile::TempDir,
+    _model: Option<tempfile::TempDir>,
 }
 
 impl Drop for Server {
@@ -38,6 +38,16 @@ pub fn tiny_harmony() -> (tempfile::TempDir, std::path::PathBuf) {
 /// A server on a free port over a fresh tiny-harmony model.
 pub fn server(extra: &[&str]) -> Server {
     let (model, dir) = tiny_harmony();
+    spawn(&dir, extra, Some(model))
+}
+
+/// A server on a free port over the model in `dir`.
+pub fn server_on(dir: &std::path::Path, extra: &[&str]) -> Server {
+    spawn(dir, extra, None)
+}
+
+/// A server over `dir`, which `model` (when given) holds.
+fn spawn(dir: &std::path::Path, extra: &[&str], model: Option<tempfile::TempDir>) -> Server {
     let mut child = picchio()
         .args(["serve", "--model", dir.to_str().unwrap(), "--port", "0"])
         .args(extra)
