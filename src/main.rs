@@ -125,8 +125,8 @@ struct ModelArgs {
 impl ModelArgs {
     /// `load` for chatting on `backend` with the model's chat format: for GPT-OSS, Harmony (the
     /// checkpoint's tokenizer.json, when it has one, must agree with o200k_harmony's special
-    /// tokens); for other families, the checkpoint's template and tokenizer, which only the
-    /// HTTP server reads so far (`harmony_only`: the terminal chat and stdio refuse them).
+    /// tokens); for other families, the checkpoint's template and tokenizer, which the HTTP
+    /// server and the terminal chat read (`harmony_only`: stdio refuses them).
     fn load_for_chat(
         &self,
         backend: Backend,
@@ -140,7 +140,7 @@ impl ModelArgs {
                 picchio::chat::tokenizer::Tokenizer::check_checkpoint(&self.model)?
             }
             ChatFormat::Template(_) if harmony_only => anyhow::bail!(
-                "chat and serve --stdio speak Harmony, GPT-OSS's chat format; a {} model chats through serve's HTTP API",
+                "serve --stdio speaks Harmony, GPT-OSS's chat format; a {} model chats through chat and serve's HTTP API",
                 config.family.model_type()
             ),
             ChatFormat::Template(_) => {}
@@ -404,10 +404,12 @@ enum Command {
         /// Most tokens per answer.
         #[arg(long, default_value_t = 1024, value_name = "N")]
         max_new_tokens: usize,
-        /// Instructions for the model (the developer message).
+        /// Instructions for the model (Harmony's developer message; a template model's system
+        /// message).
         #[arg(long, value_name = "TEXT")]
         system: Option<String>,
-        /// How much the model reasons before answering (Harmony's "Reasoning:" line).
+        /// How much the model reasons before answering (Harmony's "Reasoning:" line; GPT-OSS
+        /// only).
         #[arg(long, default_value = "medium", value_name = "low|medium|high")]
         reasoning_effort: ReasoningArg,
         /// Show the model's reasoning (dimmed on a terminal) before its answer; hidden otherwise.
@@ -930,7 +932,7 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             use std::io::IsTerminal;
             let sampling = sampling.options()?;
-            let (loaded, _) = model.load_for_chat(backend, true)?;
+            let (loaded, format) = model.load_for_chat(backend, false)?;
             let context = session_context(&loaded, context)?;
             let options = picchio::chat::terminal::ChatOptions {
                 context,
@@ -954,6 +956,7 @@ fn run(cli: Cli) -> Result<()> {
             // session-long lock left them waiting for ever.
             picchio::chat::terminal::run(
                 &loaded,
+                &format,
                 &options,
                 std::io::stdin().lock(),
                 std::io::stdout(),

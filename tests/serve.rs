@@ -321,6 +321,17 @@ fn concurrent_clients_on(backend: &str) {
 
 /// `picchio chat` on the model in `dir` with `env` set, its standard streams piped and `input`
 /// written to its stdin (then closed).
+/// A terminal chat's stderr, after checking it exited 0, and its status lines (one per answer).
+fn status_lines(out: &std::process::Output) -> (String, Vec<String>) {
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{stderr}");
+    let status = (stderr.lines())
+        .filter(|l| l.starts_with('[') && l.contains("tokens/s"))
+        .map(str::to_string)
+        .collect();
+    (stderr, status)
+}
+
 fn terminal_chat(
     dir: &std::path::Path,
     backend: &str,
@@ -369,12 +380,8 @@ fn terminal_chat_on(dir: &std::path::Path, backend: &str) -> String {
         b"Hello there\n\xff\xfe\nAnd again\n/reset\nFresh start\n/exit\nnever read\n",
     );
     let out = child.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    let status: Vec<&str> = stderr
-        .lines()
-        .filter(|l| l.starts_with('[') && l.contains("tokens/s"))
-        .collect();
+    let (stderr, status) = status_lines(&out);
+    let status: Vec<&str> = status.iter().map(String::as_str).collect();
     assert_eq!(status.len(), 3, "{stderr}");
     let reused = |line: &str| -> usize {
         line.split(", ")
@@ -656,19 +663,23 @@ fn connections_over_the_cap_are_refused_with_retry_after() {
     }
 }
 
+/// The Qwen3-MoE fixture that chats, and what transformers renders for its conversations.
+fn qwen3_chat_fixture() -> (std::path::PathBuf, Value) {
+    let dir = common::qwen3_fixture_dirs()
+        .into_iter()
+        .find(|d| d.join("chat_reference.json").is_file())
+        .unwrap();
+    let text = std::fs::read_to_string(dir.join("chat_reference.json")).unwrap();
+    (dir, serde_json::from_str(&text).unwrap())
+}
+
 /// A Qwen3-MoE model chats through its own template and tokenizer: the prompt of a conversation
 /// with tools, tool calls and results is the one transformers renders (its token count), the
 /// reply streams, GPT-OSS's reasoning_effort is refused for it, and chat_template_kwargs are
 /// refused for a Harmony model.
 #[test]
 fn a_qwen3_model_chats_through_its_template() {
-    let dir = common::qwen3_fixture_dirs()
-        .into_iter()
-        .find(|d| d.join("chat_reference.json").is_file())
-        .unwrap();
-    let reference: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("chat_reference.json")).unwrap())
-            .unwrap();
+    let (dir, reference) = qwen3_chat_fixture();
     let qwen = server_on(&dir, &["--backend", "cpu"]);
     for case in reference["cases"].as_array().unwrap() {
         if case["add_generation_prompt"] != json!(true) {
@@ -722,4 +733,30 @@ fn a_qwen3_model_chats_through_its_template() {
             .unwrap()
             .contains("Harmony")
     );
+}
+
+/// The terminal chat with a Qwen3-MoE model renders its turns with the checkpoint's template:
+/// the first prompt is transformers' (the reference's token count), the second reuses it.
+#[test]
+fn terminal_chat_renders_a_template_model_s_turns() {
+    let (dir, reference) = qwen3_chat_fixture();
+    let first = &reference["cases"][0];
+    assert_eq!(first["messages"][0]["content"], json!("Hi there!"));
+    let child = terminal_chat(&dir, "cpu", 4, &[], b"Hi there!\nAnd again\n/exit\n");
+    let out = child.wait_with_output().unwrap();
+    let (stderr, status) = status_lines(&out);
+    let status: Vec<&str> = status.iter().map(String::as_str).collect();
+    assert_eq!(status.len(), 2, "{stderr}");
+    let field = |line: &str, suffix: &str| -> usize {
+        line.split([',', ';'])
+            .find_map(|p| p.trim().strip_suffix(suffix)?.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{suffix} in {line}"))
+    };
+    let want = first["ids"].as_array().unwrap().len();
+    assert!(
+        status[0].contains(&format!("prompt {want} tokens")),
+        "{}",
+        status[0]
+    );
+    assert!(field(status[1], "reused") >= want, "{}", status[1]);
 }
