@@ -311,16 +311,7 @@ pub fn decode_bytes_per_token(
         })
         .sum();
     let dense = model.dense_bytes_per_token() as f64 + small;
-    let has_biases = model
-        .weights
-        .layers
-        .first()
-        .is_some_and(|l| l.down_bias.is_some());
-    let expert_biases = if has_biases {
-        ((2 * cfg.intermediate_size + cfg.hidden_size) * 4) as f64
-    } else {
-        0.0
-    };
+    let expert_biases = model.weights.expert_bias_bytes() as f64;
     let experts = expert_requests_per_token * (model.experts.expert_bytes() as f64 + expert_biases);
     // Keys and values (f32) of the positions each layer's queries see.
     let steps = positions.len().max(1) as f64;

@@ -32,13 +32,13 @@ use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
-use crate::chat::format::{ChatFormat, TemplateChat, TextStream};
+use crate::chat::format::{ChatFormat, TemplateChat, TemplateReply, TextStream};
 use crate::chat::harmony::{
     ChatMessage, Conversation, DeveloperSettings, FunctionTool, ReasoningEffort, Role,
     SystemSettings,
 };
 use crate::chat::parser::{Event, StreamParser};
-use crate::chat::tagged::{Piece, TaggedParser};
+use crate::chat::tagged::Piece;
 use crate::chat::tokenizer::{HARMONY_VOCAB_SIZE, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::Model;
@@ -308,10 +308,6 @@ fn content_text(content: &Value) -> std::result::Result<String, String> {
     }
 }
 
-/// Renders an OpenAI chat request as a Harmony conversation: system and developer messages
-/// become the developer's instructions (Harmony's system message carries the model identity,
-/// date and reasoning effort), tools the developer's function namespace, assistant tool calls
-/// and tool results their Harmony forms.
 /// `tool_choice` as served: absent, "auto" or "none". A forced call ("required", or a named
 /// function) is refused rather than ignored, and a named function must be one of `tools`.
 fn check_tool_choice(choice: Option<&Value>, tools: &[Value]) -> std::result::Result<(), String> {
@@ -345,6 +341,18 @@ fn check_tool_choice(choice: Option<&Value>, tools: &[Value]) -> std::result::Re
     }
 }
 
+/// The tools the model is offered: the request's, checked against `tool_choice`, or none where
+/// it is "none".
+fn offered_tools(request: &ChatRequest) -> std::result::Result<&[Value], String> {
+    check_tool_choice(request.tool_choice.as_ref(), &request.tools)?;
+    let none = request.tool_choice.as_ref().and_then(Value::as_str) == Some("none");
+    Ok(if none { &[] } else { &request.tools })
+}
+
+/// Renders an OpenAI chat request as a Harmony conversation: system and developer messages
+/// become the developer's instructions (Harmony's system message carries the model identity,
+/// date and reasoning effort), tools the developer's function namespace, assistant tool calls
+/// and tool results their Harmony forms.
 fn conversation(request: &ChatRequest) -> std::result::Result<Conversation, String> {
     let mut instructions = Vec::new();
     let mut messages = Vec::new();
@@ -417,21 +425,17 @@ fn conversation(request: &ChatRequest) -> std::result::Result<Conversation, Stri
     if messages.is_empty() {
         return Err("messages must hold at least one user message".into());
     }
-    check_tool_choice(request.tool_choice.as_ref(), &request.tools)?;
-    let tool_choice_none = request.tool_choice.as_ref().and_then(Value::as_str) == Some("none");
     let mut tools = Vec::new();
-    if !tool_choice_none {
-        for (i, tool) in request.tools.iter().enumerate() {
-            let function = &tool["function"];
-            let name = function["name"]
-                .as_str()
-                .ok_or_else(|| format!("tools[{i}] has no function name"))?;
-            tools.push(FunctionTool {
-                name: name.to_string(),
-                description: function["description"].as_str().unwrap_or("").to_string(),
-                parameters: function.get("parameters").cloned(),
-            });
-        }
+    for (i, tool) in offered_tools(request)?.iter().enumerate() {
+        let function = &tool["function"];
+        let name = function["name"]
+            .as_str()
+            .ok_or_else(|| format!("tools[{i}] has no function name"))?;
+        tools.push(FunctionTool {
+            name: name.to_string(),
+            description: function["description"].as_str().unwrap_or("").to_string(),
+            parameters: function.get("parameters").cloned(),
+        });
     }
     let developer = (!instructions.is_empty() || !tools.is_empty()).then(|| DeveloperSettings {
         instructions: (!instructions.is_empty()).then(|| instructions.join("\n\n")),
@@ -450,11 +454,12 @@ fn conversation(request: &ChatRequest) -> std::result::Result<Conversation, Stri
 
 /// An OpenAI chat request rendered by the checkpoint's template: messages as sent (text parts
 /// joined), the tools unless `tool_choice` is "none", `chat_template_kwargs` as the template's
-/// arguments. Returns the ids and whether the reply starts inside `<think>`.
+/// arguments. Returns the ids and the reply's reader.
 fn template_prompt(
     request: &ChatRequest,
-    chat: &TemplateChat,
-) -> std::result::Result<(Vec<u32>, bool), String> {
+    chat: &Arc<TemplateChat>,
+    stops: &[u32],
+) -> std::result::Result<(Vec<u32>, TemplateReply), String> {
     if request.reasoning_effort.is_some() {
         return Err("reasoning_effort applies to GPT-OSS models; this model's template takes chat_template_kwargs (e.g. {\"enable_thinking\": false})".into());
     }
@@ -471,10 +476,9 @@ fn template_prompt(
     if messages.is_empty() {
         return Err("messages must hold at least one message".into());
     }
-    check_tool_choice(request.tool_choice.as_ref(), &request.tools)?;
-    let tool_choice_none = request.tool_choice.as_ref().and_then(Value::as_str) == Some("none");
-    let tools = (!request.tools.is_empty() && !tool_choice_none).then_some(&request.tools[..]);
-    chat.prompt(&messages, tools, &request.chat_template_kwargs)
+    let tools = offered_tools(request)?;
+    let tools = (!tools.is_empty()).then_some(tools);
+    chat.prompt(&messages, tools, &request.chat_template_kwargs, stops)
         .map_err(|e| e.to_string())
 }
 
@@ -623,13 +627,7 @@ fn finish_reason(finish: Finish, tool_call: bool) -> &'static str {
 /// tags.
 enum Reader {
     Harmony(StreamParser),
-    Tagged {
-        chat: Arc<TemplateChat>,
-        text: TextStream,
-        parser: TaggedParser,
-        /// The stop tokens, which end the reply rather than being part of it.
-        stops: Vec<u32>,
-    },
+    Tagged(TemplateReply),
 }
 
 /// Turns worker replies into content, reasoning and tool calls; shared by the streaming and the
@@ -660,15 +658,6 @@ impl ChatOutput {
         ChatOutput::new(Reader::Harmony(StreamParser::new(tokenizer)))
     }
 
-    fn tagged(chat: Arc<TemplateChat>, reasoning_open: bool, stops: Vec<u32>) -> ChatOutput {
-        ChatOutput::new(Reader::Tagged {
-            chat,
-            text: TextStream::default(),
-            parser: TaggedParser::new(reasoning_open),
-            stops,
-        })
-    }
-
     /// Feeds a token; returns the deltas it makes.
     fn push(&mut self, token: u32) -> Deltas {
         self.completion_tokens += 1;
@@ -677,16 +666,8 @@ impl ChatOutput {
                 let events = parser.push(token).unwrap_or_default();
                 self.harmony_events(events)
             }
-            Reader::Tagged {
-                chat,
-                text,
-                parser,
-                stops,
-            } => {
-                if stops.contains(&token) {
-                    return Default::default();
-                }
-                let pieces = parser.push(&text.push(&chat.tokenizer, token));
+            Reader::Tagged(reply) => {
+                let pieces = reply.push(token);
                 self.pieces(pieces)
             }
         }
@@ -708,11 +689,8 @@ impl ChatOutput {
                 self.content.push_str(&text);
                 (vec![("content", text)], Vec::new())
             }
-            Reader::Tagged {
-                chat, text, parser, ..
-            } => {
-                let mut pieces = parser.push(&text.finish(&chat.tokenizer));
-                pieces.extend(parser.finish());
+            Reader::Tagged(reply) => {
+                let pieces = reply.finish();
                 self.pieces(pieces)
             }
         }
@@ -789,9 +767,8 @@ fn chat_prompt(
     let invalid = |e: String| error(StatusCode::BAD_REQUEST, e, "invalid_messages");
     match &shared.format {
         ChatFormat::Template(chat) => {
-            let (ids, open) = template_prompt(request, chat).map_err(invalid)?;
-            let output = ChatOutput::tagged(chat.clone(), open, shared.stops.clone());
-            Ok((ids, output))
+            let (ids, reply) = template_prompt(request, chat, &shared.stops).map_err(invalid)?;
+            Ok((ids, ChatOutput::new(Reader::Tagged(reply))))
         }
         ChatFormat::Harmony => {
             if shared.vocab_size < HARMONY_VOCAB_SIZE {

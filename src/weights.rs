@@ -1246,6 +1246,17 @@ impl ModelWeights {
         Ok(copied.get())
     }
 
+    /// Bytes of one expert's biases as the tiers hold them (f32; none for a family without
+    /// expert biases).
+    pub fn expert_bias_bytes(&self) -> usize {
+        let Some(first) = self.layers.first() else {
+            return 0;
+        };
+        let experts = first.gate_up.experts().max(1);
+        let per_expert = |b: &Option<Vec<f32>>| b.as_ref().map_or(0, |b| b.len() / experts);
+        4 * (per_expert(&first.gate_up_bias) + per_expert(&first.down_bias))
+    }
+
     /// Whether some layer's MXFP4 experts were laid out for the CPU tier's kernel
     /// (`Mxfp4Experts::interleaved`), which the GPU tier cannot read.
     pub fn experts_interleaved(&self) -> bool {

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use serde_json::{Map, Value};
 
 use super::hf_tokenizer::HfTokenizer;
+use super::tagged::{Piece, TaggedParser};
 use super::template::{ChatTemplate, TemplateInput};
 use crate::arch::Family;
 use crate::config::Config;
@@ -52,22 +53,58 @@ impl ChatFormat {
 }
 
 impl TemplateChat {
-    /// The ids of a conversation ready for the assistant's reply, and whether the prompt
-    /// leaves the reply inside `<think>` (a template that opens the reasoning itself).
+    /// The ids of a conversation ready for the assistant's reply, and the reader of that reply
+    /// (`stops`: the ids that end it).
     pub fn prompt(
-        &self,
+        self: &Arc<Self>,
         messages: &[Value],
         tools: Option<&[Value]>,
         arguments: &Map<String, Value>,
-    ) -> Result<(Vec<u32>, bool)> {
+        stops: &[u32],
+    ) -> Result<(Vec<u32>, TemplateReply)> {
         let text = self.template.render(&TemplateInput {
             messages,
             tools,
             add_generation_prompt: true,
             arguments,
         })?;
+        // A template that opens the reasoning itself leaves the reply inside `<think>`.
         let reasoning_open = text.trim_end().ends_with("<think>");
-        Ok((self.tokenizer.encode(&text)?, reasoning_open))
+        let reply = TemplateReply {
+            chat: self.clone(),
+            text: TextStream::default(),
+            parser: TaggedParser::new(reasoning_open),
+            stops: stops.to_vec(),
+        };
+        Ok((self.tokenizer.encode(&text)?, reply))
+    }
+}
+
+/// A template model's reply as it is generated: its tokens decoded and split into Qwen3's
+/// tags (`chat::tagged`); the stop tokens end it and are no part of it.
+pub struct TemplateReply {
+    chat: Arc<TemplateChat>,
+    text: TextStream,
+    parser: TaggedParser,
+    stops: Vec<u32>,
+}
+
+impl TemplateReply {
+    /// The pieces `token` completes.
+    pub fn push(&mut self, token: u32) -> Vec<Piece> {
+        if self.stops.contains(&token) {
+            return Vec::new();
+        }
+        let text = self.text.push(&self.chat.tokenizer, token);
+        self.parser.push(&text)
+    }
+
+    /// Everything held back, at the end of the reply.
+    pub fn finish(&mut self) -> Vec<Piece> {
+        let text = self.text.finish(&self.chat.tokenizer);
+        let mut pieces = self.parser.push(&text);
+        pieces.extend(self.parser.finish());
+        pieces
     }
 }
 

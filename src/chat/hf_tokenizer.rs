@@ -47,14 +47,4 @@ impl HfTokenizer {
             .decode(ids, false)
             .map_err(|e| self.fail("cannot decode", e))
     }
-
-    /// The id of a token of the vocabulary or of the added tokens.
-    pub fn token_id(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token)
-    }
-
-    /// Tokens in the vocabulary, added tokens included.
-    pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
-    }
 }

@@ -11,13 +11,13 @@ use std::sync::Arc;
 
 use serde_json::{Map, Value, json};
 
-use super::format::{ChatFormat, TemplateChat, TextStream};
+use super::format::{ChatFormat, TemplateChat, TemplateReply};
 use super::harmony::{
     ChatMessage, Conversation, DeveloperSettings, ReasoningEffort, Role, SystemSettings,
 };
 use super::lines::{Line, MAX_LINE_BYTES, read_line};
 use super::parser::{Event, StreamParser};
-use super::tagged::{Piece, TaggedParser};
+use super::tagged::Piece;
 use super::tokenizer::{HARMONY_VOCAB_SIZE, Tokenizer};
 use crate::error::{Error, Result};
 use crate::model::Model;
@@ -66,13 +66,12 @@ enum Dialogue {
     },
 }
 
-/// A reply being read.
+/// A reply being read, and for a template model what it said so far (which joins the
+/// conversation).
 enum Reply {
     Harmony(StreamParser),
     Tagged {
-        chat: Arc<TemplateChat>,
-        text: TextStream,
-        parser: TaggedParser,
+        reply: TemplateReply,
         content: String,
         reasoning: String,
     },
@@ -143,19 +142,17 @@ impl Dialogue {
         }
     }
 
-    /// The prompt for the next reply, and its reader.
-    fn render(&self, tokenizer: Tokenizer) -> Result<(Vec<u32>, Reply)> {
+    /// The prompt for the next reply (ended by `stops`), and its reader.
+    fn render(&self, tokenizer: Tokenizer, stops: &[u32]) -> Result<(Vec<u32>, Reply)> {
         Ok(match self {
             Dialogue::Harmony { conversation, .. } => (
                 conversation.render_for_completion(&tokenizer),
                 Reply::Harmony(StreamParser::new(tokenizer)),
             ),
             Dialogue::Template { chat, messages, .. } => {
-                let (ids, open) = chat.prompt(messages, None, &Map::new())?;
+                let (ids, reply) = chat.prompt(messages, None, &Map::new(), stops)?;
                 let reply = Reply::Tagged {
-                    chat: chat.clone(),
-                    text: TextStream::default(),
-                    parser: TaggedParser::new(open),
+                    reply,
                     content: String::new(),
                     reasoning: String::new(),
                 };
@@ -202,10 +199,8 @@ impl Reply {
                     _ => None,
                 })
                 .collect(),
-            Reply::Tagged {
-                chat, text, parser, ..
-            } => {
-                let pieces = parser.push(&text.push(&chat.tokenizer, token));
+            Reply::Tagged { reply, .. } => {
+                let pieces = reply.push(token);
                 self.keep(pieces)
             }
         })
@@ -221,11 +216,8 @@ impl Reply {
                     .flatten();
                 stray.into_iter().map(|text| (false, text)).collect()
             }
-            Reply::Tagged {
-                chat, text, parser, ..
-            } => {
-                let mut pieces = parser.push(&text.finish(&chat.tokenizer));
-                pieces.extend(parser.finish());
+            Reply::Tagged { reply, .. } => {
+                let pieces = reply.finish();
                 self.keep(pieces)
             }
         }
@@ -318,7 +310,7 @@ pub fn run(
             _ => {}
         }
         dialogue.push_user(text);
-        let (ids, mut reply) = dialogue.render(tokenizer)?;
+        let (ids, mut reply) = dialogue.render(tokenizer, &stops)?;
         if ids.len() >= options.context {
             writeln!(
                 status,
@@ -354,19 +346,18 @@ pub fn run(
             }
             std::io::Result::Ok(())
         };
-        let (tokens, finish) =
-            session.generate(options.max_new_tokens, &mut sampler, &stops, |token| {
-                if stops.contains(&token) && matches!(reply, Reply::Tagged { .. }) {
-                    return true;
+        let (tokens, finish) = session.generate(
+            options.max_new_tokens,
+            &mut sampler,
+            &stops,
+            |token| match reply.push(token) {
+                Ok(shown) => show(&mut output, shown).is_ok(),
+                Err(e) => {
+                    failure = Some(e);
+                    false
                 }
-                match reply.push(token) {
-                    Ok(shown) => show(&mut output, shown).is_ok(),
-                    Err(e) => {
-                        failure = Some(e);
-                        false
-                    }
-                }
-            })?;
+            },
+        )?;
         if let Some(e) = failure {
             return Err(e);
         }

@@ -477,8 +477,7 @@ struct ExpertLayout {
 }
 
 impl ExpertLayout {
-    /// The layout of `m`'s experts.
-    fn of(m: &ExpertMatrices) -> Result<ExpertLayout> {
+    fn of(m: &ExpertMatrices) -> ExpertLayout {
         let (expert_bytes, scale_bytes) = m.part_sizes();
         let kind = match m {
             ExpertMatrices::Mxfp4(_) => ("EXPERTS", "MXFP4"),
@@ -486,7 +485,7 @@ impl ExpertLayout {
             ExpertMatrices::Dense(d) => ("EXPERTS_UNQUANTIZED", format_define(d.format)),
             ExpertMatrices::Rows(r) => ("EXPERTS_ROWS", format_define(r.format)),
         };
-        Ok(ExpertLayout {
+        ExpertLayout {
             defines: [
                 (kind.0, "1".into()),
                 (kind.1, "1".into()),
@@ -496,7 +495,7 @@ impl ExpertLayout {
             cols: m.inputs(),
             expert_bytes,
             scale_bytes,
-        })
+        }
     }
 }
 
@@ -531,7 +530,7 @@ impl GpuExperts {
 
     /// Uploads every expert of whatever format the checkpoint stores.
     pub fn upload(ctx: &GpuContext, name: &str, m: &ExpertMatrices) -> Result<GpuExperts> {
-        let layout = ExpertLayout::of(m)?;
+        let layout = ExpertLayout::of(m);
         let has_scales = layout.scale_bytes > 0;
         Self::build(ctx, name, layout, m.experts(), |first, n| {
             let upload = |w: &[u8], s: Option<&[u8]>| {
@@ -561,7 +560,7 @@ impl GpuExperts {
         like: &ExpertMatrices,
         slots: usize,
     ) -> Result<GpuExperts> {
-        let layout = ExpertLayout::of(like)?;
+        let layout = ExpertLayout::of(like);
         let (eb, sb) = (layout.expert_bytes, layout.scale_bytes);
         if slots > 0 && (!eb.is_multiple_of(4) || !sb.is_multiple_of(4)) {
             return Err(Error::Gpu(format!(

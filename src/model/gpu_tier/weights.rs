@@ -63,13 +63,9 @@ pub struct GpuWeights<'m> {
 
 /// Bytes one cached expert takes in VRAM: weights, scales and f32 biases of both projections.
 pub fn vram_bytes_per_expert(model: &Model) -> u64 {
-    let (cfg, first) = (&model.config, &model.weights.layers[0]);
+    let first = &model.weights.layers[0];
     let per = |m: &crate::weights::ExpertMatrices| m.bytes() / m.experts().max(1);
-    let biases = match first.down_bias {
-        Some(_) => 4 * (2 * cfg.intermediate_size + cfg.hidden_size),
-        None => 0,
-    };
-    (per(&first.gate_up) + per(&first.down) + biases) as u64
+    (per(&first.gate_up) + per(&first.down) + model.weights.expert_bias_bytes()) as u64
 }
 
 pub(super) fn f32s(ctx: &GpuContext, label: &str, values: &[f32]) -> Result<wgpu::Buffer> {
