@@ -126,26 +126,29 @@ impl ModelArgs {
     /// `load` for chatting on `backend` with the model's chat format: for GPT-OSS, Harmony (the
     /// checkpoint's tokenizer.json, when it has one, must agree with o200k_harmony's special
     /// tokens); for other families, the checkpoint's template and tokenizer, which the HTTP
-    /// server and the terminal chat read (`harmony_only`: stdio refuses them).
+    /// server and the terminal chat read.
     fn load_for_chat(
         &self,
         backend: Backend,
-        harmony_only: bool,
     ) -> Result<(Model, picchio::chat::format::ChatFormat)> {
         use picchio::chat::format::ChatFormat;
         let config = picchio::config::Config::load(&self.model)?;
         let format = ChatFormat::for_model(&self.model, &config)?;
-        match format {
-            ChatFormat::Harmony => {
-                picchio::chat::tokenizer::Tokenizer::check_checkpoint(&self.model)?
-            }
-            ChatFormat::Template(_) if harmony_only => anyhow::bail!(
-                "serve --stdio speaks Harmony, GPT-OSS's chat format; a {} model chats through chat and serve's HTTP API",
-                config.family.model_type()
-            ),
-            ChatFormat::Template(_) => {}
+        if let ChatFormat::Harmony = format {
+            picchio::chat::tokenizer::Tokenizer::check_checkpoint(&self.model)?
         }
         Ok((self.load_for(backend.into())?, format))
+    }
+
+    /// `load` for `serve --stdio`, whose client renders and reads the conversation itself (ids
+    /// in, ids out): no chat template is needed, but a GPT-OSS checkpoint's tokenizer.json must
+    /// still agree with the Harmony stop ids the protocol announces.
+    fn load_for_ids(&self, backend: Backend) -> Result<Model> {
+        let config = picchio::config::Config::load(&self.model)?;
+        if config.family == picchio::arch::Family::GptOss {
+            picchio::chat::tokenizer::Tokenizer::check_checkpoint(&self.model)?
+        }
+        self.load_for(backend.into())
     }
 
     fn load(&self) -> Result<Model> {
@@ -932,7 +935,7 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             use std::io::IsTerminal;
             let sampling = sampling.options()?;
-            let (loaded, format) = model.load_for_chat(backend, false)?;
+            let (loaded, format) = model.load_for_chat(backend)?;
             let context = session_context(&loaded, context)?;
             let options = picchio::chat::terminal::ChatOptions {
                 context,
@@ -1017,10 +1020,10 @@ fn run(cli: Cli) -> Result<()> {
                 body_timeout: std::time::Duration::from_secs(body_timeout),
                 allowed_hosts,
             };
-            let (loaded, format) = model.load_for_chat(backend, stdio)?;
-            let context = session_context(&loaded, context)?;
             let tier = gpu.tier(backend);
             if stdio {
+                let loaded = model.load_for_ids(backend)?;
+                let context = session_context(&loaded, context)?;
                 picchio::chat::stdio::serve(
                     &loaded,
                     context,
@@ -1031,6 +1034,8 @@ fn run(cli: Cli) -> Result<()> {
                 )?;
                 return Ok(());
             }
+            let (loaded, format) = model.load_for_chat(backend)?;
+            let context = session_context(&loaded, context)?;
             let name = name.unwrap_or_else(|| {
                 model
                     .model

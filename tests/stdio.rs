@@ -3,17 +3,22 @@
 mod common;
 
 use std::io::Write;
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 /// Runs a protocol session on `backend` with `lines` on stdin and returns stdout's lines.
 fn session(backend: &str, lines: &[String]) -> Vec<String> {
+    session_of(&common::fixtures_dir().join("tiny-routed"), backend, lines)
+}
+
+/// `session` with the checkpoint in `dir`.
+fn session_of(dir: &Path, backend: &str, lines: &[String]) -> Vec<String> {
     let input: String = lines.iter().map(|line| format!("{line}\n")).collect();
-    session_on_bytes(backend, input.as_bytes())
+    session_on_bytes(dir, backend, input.as_bytes())
 }
 
 /// Runs a protocol session on `backend` with `input` on stdin and returns stdout's lines.
-fn session_on_bytes(backend: &str, input: &[u8]) -> Vec<String> {
-    let dir = common::fixtures_dir().join("tiny-routed");
+fn session_on_bytes(dir: &Path, backend: &str, input: &[u8]) -> Vec<String> {
     let mut child = Command::new(env!("CARGO_BIN_EXE_picchio"))
         .args(["serve", "--stdio", "--backend", backend])
         .args(["--model", dir.to_str().unwrap()])
@@ -146,7 +151,7 @@ fn broken_lines_get_an_error_and_the_session_goes_on() {
     input.extend_from_slice(format!("{}\n", "9".repeat(17 << 20)).as_bytes());
     input.extend_from_slice(format!("{}\n", "X".repeat(100_000)).as_bytes());
     input.extend_from_slice(format!("{good}\nSHUTDOWN\n").as_bytes());
-    let out = session_on_bytes("cpu", &input);
+    let out = session_on_bytes(&common::fixtures_dir().join("tiny-routed"), "cpu", &input);
     let errors: Vec<&String> = out
         .iter()
         .filter(|l| l.starts_with("ERROR 400 0 "))
@@ -164,4 +169,56 @@ fn broken_lines_get_an_error_and_the_session_goes_on() {
     let fresh = session("cpu", &[good]);
     assert_eq!(tokens(&out), tokens(&fresh));
     assert_eq!(out.last(), fresh.last());
+}
+
+/// A Qwen3-MoE model speaks the protocol too: the client renders its chat template (here the
+/// chat fixture's first conversation as transformers rendered it), READY announces the
+/// generation_config's stop ids, the reply is `generate`'s, and a second turn that keeps the
+/// first gives a fresh session's tokens, on every tier.
+#[test]
+fn a_template_model_takes_rendered_ids() {
+    let dir = common::fixtures_dir().join("qwen3-moe/tiny-qwen3-chat");
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("chat_reference.json")).unwrap())
+            .unwrap();
+    let prompt: Vec<u32> = serde_json::from_value(reference["cases"][0]["ids"].clone()).unwrap();
+    let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let generated = common::picchio_stdout(&[
+        "generate",
+        "--backend",
+        "cpu",
+        "--model",
+        dir.to_str().unwrap(),
+        "--ids",
+        &ids.join(","),
+        "--max-new-tokens",
+        "6",
+        "--json",
+    ]);
+    let generated: serde_json::Value = serde_json::from_str(&generated).unwrap();
+    let want: Vec<u32> = serde_json::from_value(generated["generated_ids"].clone()).unwrap();
+    assert!(!want.is_empty());
+
+    let mut outputs = Vec::new();
+    for backend in common::backends() {
+        let out = session_of(&dir, backend, &[turn(6, 0, &prompt)]);
+        assert_eq!(out[0], "READY 4096 512 503 505", "{out:?}");
+        let reply = tokens(&out);
+        assert_eq!(reply, want, "{backend}");
+
+        let position = prompt.len() + reply.len();
+        let follow_up = [505u32, 198, 504, 311];
+        let kept = session_of(
+            &dir,
+            backend,
+            &[turn(6, 0, &prompt), turn(4, position, &follow_up)],
+        );
+        let mut whole = [prompt.clone(), reply].concat();
+        whole.extend(follow_up);
+        let fresh = session_of(&dir, backend, &[turn(4, 0, &whole)]);
+        assert_eq!(tokens(&kept)[want.len()..], tokens(&fresh)[..], "{backend}");
+        assert_eq!(kept.last(), fresh.last(), "{backend}");
+        outputs.push(kept);
+    }
+    assert!(outputs.windows(2).all(|w| w[0] == w[1]), "{outputs:?}");
 }
