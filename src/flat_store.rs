@@ -16,7 +16,6 @@ use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64;
 
-use crate::arch::gpt_oss::is_expert_weight;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::formats::{decode_floats, dequantize_mxfp4_row};
@@ -556,7 +555,10 @@ fn write_store(
     // Dense tensors, byte for byte.
     let mut dense = BTreeMap::new();
     let mut dense_bytes = 0u64;
-    for entry in ck.tensors().filter(|e| !is_expert_weight(&e.name)) {
+    for entry in ck
+        .tensors()
+        .filter(|e| !cfg.family.is_expert_weight(&e.name))
+    {
         let bytes = ck.bytes_of(entry);
         dense_bytes += bytes.bytes().len() as u64;
         dense.insert(

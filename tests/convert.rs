@@ -18,6 +18,16 @@ use picchio::model::{KvCache, ModelOptions};
 fn converted(dir: &std::path::Path, format: FlatFormat) -> tempfile::TempDir {
     let out = tempfile::tempdir().unwrap();
     convert(dir, out.path(), format, false, &|_| {}).unwrap();
+    // The experts live in the records only: the dense file holds none of their weights (GPT-OSS's
+    // expert biases stay dense).
+    for tensor in read_tensors(out.path()) {
+        let expert = tensor.name.contains(".mlp.experts.");
+        assert!(
+            !expert || tensor.name.ends_with("_bias"),
+            "{} copied",
+            tensor.name
+        );
+    }
     out
 }
 

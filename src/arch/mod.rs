@@ -109,6 +109,15 @@ impl Family {
         }
     }
 
+    /// Whether the checkpoint tensor `name` is an expert weight (what `convert` writes as expert
+    /// records rather than copying with the dense tensors).
+    pub fn is_expert_weight(self, name: &str) -> bool {
+        match self {
+            Family::GptOss => gpt_oss::is_expert_weight(name),
+            Family::Qwen3Moe => qwen3_moe::is_expert_weight(name),
+        }
+    }
+
     /// Every decoder layer's spec, in order.
     pub fn layers(self, config: &Config) -> Vec<LayerSpec> {
         let layer = match self {

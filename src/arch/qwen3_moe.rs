@@ -194,6 +194,26 @@ fn qwen_tensors(l: usize) -> QwenTensors {
     }
 }
 
+/// Whether `name` is an expert weight in either layout: the hub's
+/// `mlp.experts.{e}.{gate,up,down}_proj.weight` or the fused `mlp.experts.{gate_up,down}_proj`.
+pub fn is_expert_weight(name: &str) -> bool {
+    let Some(rest) = name.split(".mlp.experts.").nth(1) else {
+        return false;
+    };
+    if matches!(rest, "gate_up_proj" | "down_proj") {
+        return true;
+    }
+    let Some((expert, projection)) = rest.split_once('.') else {
+        return false;
+    };
+    expert.bytes().all(|b| b.is_ascii_digit())
+        && !expert.is_empty()
+        && matches!(
+            projection,
+            "gate_proj.weight" | "up_proj.weight" | "down_proj.weight"
+        )
+}
+
 /// Expert `e`'s projection `name` (`gate_proj`, `up_proj`, `down_proj`) in the hub's layout.
 fn expert_tensor(l: usize, e: usize, name: &str) -> String {
     format!("model.layers.{l}.mlp.experts.{e}.{name}.weight")
@@ -284,6 +304,28 @@ pub fn load_layer(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn expert_weights_are_told_from_the_dense_tensors_in_both_layouts() {
+        for name in [
+            expert_tensor(3, 17, "gate_proj"),
+            expert_tensor(0, 0, "up_proj"),
+            expert_tensor(47, 127, "down_proj"),
+            qwen_tensors(5).fused_gate_up,
+            qwen_tensors(5).fused_down,
+        ] {
+            assert!(is_expert_weight(&name), "{name}");
+        }
+        for name in [
+            qwen_tensors(5).router,
+            qwen_tensors(5).q_norm,
+            "model.layers.1.mlp.experts.x.gate_proj.weight".to_string(),
+            "model.layers.1.mlp.experts.2.gate_proj.bias".to_string(),
+            "model.embed_tokens.weight".to_string(),
+        ] {
+            assert!(!is_expert_weight(&name), "{name}");
+        }
+    }
+
     use super::*;
     use std::path::Path;
 
