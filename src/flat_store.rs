@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use memmap2::Mmap;
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -20,7 +21,8 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::formats::{decode_floats, dequantize_mxfp4_row};
 use crate::weights::{
-    Checkpoint, ExpertMatrices, ExpertStride, Int4Experts, ModelWeights, Mxfp4Experts, TensorBytes,
+    Checkpoint, ExpertMatrices, ExpertStride, Int4Experts, LayerWeights, ModelWeights,
+    Mxfp4Experts, TensorBytes,
 };
 
 /// The index file of a converted store.
@@ -374,10 +376,12 @@ pub fn quantize_int4(values: &[f32], cols: usize) -> (Vec<u8>, Vec<u8>) {
                 .map(|&v| (v - (code(v, s) as f32 - 8.0) * s).powi(2))
                 .sum()
         };
-        let scale = [7.0f32, 7.5, 8.0, 6.5, 6.0, 5.5, 5.0]
+        // Each candidate's error once; the first of equal errors wins.
+        let (scale, _) = [7.0f32, 7.5, 8.0, 6.5, 6.0, 5.5, 5.0]
             .into_iter()
             .map(|d| half::f16::from_f32(max / d))
-            .min_by(|a, b| error(*a).total_cmp(&error(*b)))
+            .map(|scale| (scale, error(scale)))
+            .min_by(|a, b| a.1.total_cmp(&b.1))
             .expect("candidates");
         let s = scale.to_f32();
         scales.extend_from_slice(&scale.to_le_bytes());
@@ -449,6 +453,25 @@ fn convert_expert(m: &ExpertMatrices, e: usize, format: FlatFormat) -> Result<(V
         )),
         (FlatFormat::Int4, _) => Ok(quantize_int4(&expert_rows(m, e)?, m.inputs())),
     }
+}
+
+/// Record `e` of `layer` in `format` (`index`'s layout, zero padded to its stride), with its
+/// FNV-1a hash and, where the index keeps them, its XXH3 one.
+fn expert_record(
+    layer: &LayerWeights,
+    e: usize,
+    index: &FlatIndex,
+    format: FlatFormat,
+) -> Result<(Vec<u8>, u64, Option<u64>)> {
+    let mut record = vec![0u8; index.record_stride];
+    for (m, p) in [(&layer.gate_up, index.gate_up), (&layer.down, index.down)] {
+        let (w, s) = convert_expert(m, e, format)?;
+        record[p.weights.offset..p.weights.offset + w.len()].copy_from_slice(&w);
+        record[p.scales.offset..p.scales.offset + s.len()].copy_from_slice(&s);
+    }
+    let bytes = &record[..index.record_bytes];
+    let (fnv, xxh3) = (fnv1a64(bytes), index.xxh3.as_ref().map(|_| xxh3_64(bytes)));
+    Ok((record, fnv, xxh3))
 }
 
 /// What `convert` wrote.
@@ -588,24 +611,26 @@ fn write_store(
     let records_path = out.join(RECORDS_FILE);
     let file = std::fs::File::create(&records_path).map_err(|e| Error::io(&records_path, e))?;
     let mut writer = std::io::BufWriter::with_capacity(8 << 20, file);
-    let mut record = vec![0u8; index.record_stride];
+    // Records are built in parallel (quantizing float experts is the slow part), a few per
+    // thread at a time to bound the memory, and written in order.
+    let batch = 2 * rayon::current_num_threads();
     for layer in &weights.layers {
-        for e in 0..cfg.num_experts {
-            record.fill(0);
-            for (m, p) in [(&layer.gate_up, index.gate_up), (&layer.down, index.down)] {
-                let (w, s) = convert_expert(m, e, format)?;
-                record[p.weights.offset..p.weights.offset + w.len()].copy_from_slice(&w);
-                record[p.scales.offset..p.scales.offset + s.len()].copy_from_slice(&s);
+        for first in (0..cfg.num_experts).step_by(batch) {
+            let experts = first..(first + batch).min(cfg.num_experts);
+            let records: Vec<(Vec<u8>, u64, Option<u64>)> = experts
+                .into_par_iter()
+                .map(|e| expert_record(layer, e, &index, format))
+                .collect::<Result<_>>()?;
+            for (record, fnv, xxh3) in records {
+                index.hashes.push(format!("{fnv:016x}"));
+                if let (Some(hashes), Some(xxh3)) = (&mut index.xxh3, xxh3) {
+                    hashes.push(format!("{xxh3:016x}"));
+                }
+                writer
+                    .write_all(&record)
+                    .map_err(|e| Error::io(&records_path, e))?;
+                progress(1);
             }
-            let bytes = &record[..index.record_bytes];
-            index.hashes.push(format!("{:016x}", fnv1a64(bytes)));
-            if let Some(xxh3) = &mut index.xxh3 {
-                xxh3.push(format!("{:016x}", xxh3_64(bytes)));
-            }
-            writer
-                .write_all(&record)
-                .map_err(|e| Error::io(&records_path, e))?;
-            progress(1);
         }
     }
     writer
