@@ -16,9 +16,11 @@
 mod guards;
 mod http;
 mod metrics;
+mod stop;
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
@@ -45,6 +47,7 @@ use crate::model::Model;
 use crate::model::generate::SessionTier;
 use crate::model::sampler::{Sampler, SamplingOptions};
 use crate::model::session::{ChatSession, Finish};
+use stop::StopSequences;
 
 /// Default `max_tokens` when a request gives none.
 const DEFAULT_MAX_TOKENS: usize = 1024;
@@ -108,6 +111,8 @@ struct Job {
     sampling: SamplingOptions,
     stops: Vec<u32>,
     replies: mpsc::UnboundedSender<Reply>,
+    /// Set by the handler when the reply is over before the model says so (a stop sequence).
+    cancel: Arc<AtomicBool>,
     /// Where the request's token counts go for its access-log line.
     tally: Arc<guards::Tally>,
 }
@@ -165,7 +170,7 @@ fn worker(
         let result = session.generate(job.max_tokens, &mut sampler, &job.stops, |token| {
             job.tally.add_completion_token();
             // A closed channel: the client went away, stop here.
-            replies.send(Reply::Token(token)).is_ok()
+            replies.send(Reply::Token(token)).is_ok() && !job.cancel.load(Ordering::Relaxed)
         });
         let micros = started.elapsed().as_micros() as u64;
         let _ = replies.send(match result {
@@ -219,8 +224,11 @@ struct SamplingFields {
     max_completion_tokens: Option<usize>,
     /// Choices per request: only 1 is served.
     n: Option<usize>,
-    /// Stop sequences: not served yet (only the model's stop tokens end a reply).
+    /// Stop sequences (`serve::stop`): a string or up to four.
     stop: Option<Value>,
+    /// Token log-probabilities: not served yet (refused when asked for).
+    logprobs: Option<Value>,
+    top_logprobs: Option<Value>,
 }
 
 impl SamplingFields {
@@ -230,16 +238,13 @@ impl SamplingFields {
         if self.n.is_some_and(|n| n != 1) {
             return Err("n must be 1: this server returns one choice".into());
         }
-        let stops = match &self.stop {
-            None | Some(Value::Null) => false,
-            Some(Value::String(s)) => !s.is_empty(),
-            Some(Value::Array(a)) => !a.is_empty(),
+        let asked = |v: &Option<Value>| match v {
+            None | Some(Value::Null | Value::Bool(false)) => false,
+            Some(Value::Number(n)) => n.as_u64() != Some(0),
             Some(_) => true,
         };
-        if stops {
-            return Err(
-                "stop sequences are not supported yet (the model's stop tokens end a reply)".into(),
-            );
+        if asked(&self.logprobs) || asked(&self.top_logprobs) {
+            return Err("logprobs and top_logprobs are not served yet".into());
         }
         let defaults = SamplingOptions::default();
         let options = SamplingOptions {
@@ -254,6 +259,11 @@ impl SamplingFields {
         };
         options.check()?;
         Ok(options)
+    }
+
+    /// The request's stop sequences, or why they are invalid.
+    fn stop_sequences(&self) -> std::result::Result<StopSequences, String> {
+        StopSequences::parse(self.stop.as_ref())
     }
 
     fn max_tokens(&self) -> usize {
@@ -278,8 +288,37 @@ struct ChatRequest {
     /// and SGLang take them.
     #[serde(default)]
     chat_template_kwargs: Map<String, Value>,
+    /// False: at most one tool call per reply (the reply ends after it).
+    parallel_tool_calls: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    /// Structured output: only `{"type": "text"}` is served yet.
+    response_format: Option<Value>,
     #[serde(flatten)]
     sampling: SamplingFields,
+}
+
+#[derive(Debug, Deserialize)]
+struct StreamOptions {
+    /// A last chunk with the usage and no choices, before `[DONE]`.
+    #[serde(default)]
+    include_usage: bool,
+}
+
+impl ChatRequest {
+    /// Refuses what this server does not serve yet rather than ignoring it.
+    fn check_served(&self) -> std::result::Result<(), String> {
+        match &self.response_format {
+            None | Some(Value::Null) => {}
+            Some(format) if format.get("type") == Some(&json!("text")) => {}
+            Some(format) => {
+                return Err(format!(
+                    "response_format {} is not served yet (structured output); only {{\"type\": \"text\"}} is",
+                    format.get("type").unwrap_or(format)
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -531,12 +570,13 @@ impl Shared {
         Ok(())
     }
 
-    /// Queues a job and returns its replies.
+    /// Queues a job and returns its replies; setting `cancel` ends its generation.
     fn submit(
         &self,
         ids: Vec<u32>,
         max_tokens: usize,
         sampling: SamplingOptions,
+        cancel: Arc<AtomicBool>,
     ) -> std::result::Result<mpsc::UnboundedReceiver<Reply>, Response> {
         let (replies, receiver) = mpsc::unbounded_channel();
         let job = Job {
@@ -545,6 +585,7 @@ impl Shared {
             sampling,
             stops: self.stops.clone(),
             replies,
+            cancel,
             tally: guards::Tally::current(),
         };
         match self.jobs.try_send(job) {
@@ -634,6 +675,10 @@ enum Reader {
 /// plain chat responses.
 struct ChatOutput {
     reader: Reader,
+    /// The request's stop sequences, matched in the content.
+    stop: StopSequences,
+    /// The reply ends after its first tool call (`parallel_tool_calls: false`).
+    one_call: bool,
     tool_calls: Vec<Value>,
     content: String,
     reasoning: String,
@@ -644,9 +689,11 @@ struct ChatOutput {
 type Deltas = (Vec<(&'static str, String)>, Vec<Value>);
 
 impl ChatOutput {
-    fn new(reader: Reader) -> ChatOutput {
+    fn new(reader: Reader, stop: StopSequences) -> ChatOutput {
         ChatOutput {
             reader,
+            stop,
+            one_call: false,
             tool_calls: Vec::new(),
             content: String::new(),
             reasoning: String::new(),
@@ -654,12 +701,32 @@ impl ChatOutput {
         }
     }
 
-    fn harmony(tokenizer: Tokenizer) -> ChatOutput {
-        ChatOutput::new(Reader::Harmony(StreamParser::new(tokenizer)))
+    fn harmony(tokenizer: Tokenizer, stop: StopSequences) -> ChatOutput {
+        ChatOutput::new(Reader::Harmony(StreamParser::new(tokenizer)), stop)
+    }
+
+    /// Whether the reply is over before the model ended it: a stop sequence, or the one tool
+    /// call asked for (tokens after it are neither read nor counted).
+    fn over(&self) -> bool {
+        self.stop.stopped() || (self.one_call && !self.tool_calls.is_empty())
+    }
+
+    /// The reply's `finish_reason`, `finish` being how its generation ended.
+    fn finish_reason(&self, finish: Finish) -> &'static str {
+        let finish = if self.over() {
+            Finish::Stop(u32::MAX)
+        } else {
+            finish
+        };
+        finish_reason(finish, !self.tool_calls.is_empty())
     }
 
     /// Feeds a token; returns the deltas it makes.
     fn push(&mut self, token: u32) -> Deltas {
+        // Tokens the worker made before it saw the reply was over are not part of it.
+        if self.over() {
+            return Default::default();
+        }
         self.completion_tokens += 1;
         match &mut self.reader {
             Reader::Harmony(parser) => {
@@ -677,26 +744,45 @@ impl ChatOutput {
     /// that does not follow the format, or a header cut by max_tokens) shown as content rather
     /// than lost; or the tagged text held back.
     fn finish(&mut self) -> Deltas {
-        match &mut self.reader {
-            Reader::Harmony(parser) => {
-                if !self.content.is_empty() || !self.tool_calls.is_empty() {
-                    return Default::default();
-                }
-                let text = parser.unfinished_header().unwrap_or_default().to_string();
-                if text.is_empty() {
-                    return Default::default();
-                }
-                self.content.push_str(&text);
-                (vec![("content", text)], Vec::new())
-            }
-            Reader::Tagged(reply) => {
-                let pieces = reply.finish();
-                self.pieces(pieces)
-            }
+        if self.stop.stopped() {
+            return Default::default();
         }
+        let (mut deltas, calls) = if self.over() {
+            Default::default()
+        } else {
+            match &mut self.reader {
+                Reader::Harmony(parser) => {
+                    let text = parser.unfinished_header().unwrap_or_default().to_string();
+                    let mut deltas = Vec::new();
+                    let no_content = self.content.is_empty() && !self.stop.holding();
+                    if no_content && self.tool_calls.is_empty() && !text.is_empty() {
+                        self.add_text("content", text, &mut deltas);
+                    }
+                    (deltas, Vec::new())
+                }
+                Reader::Tagged(reply) => {
+                    let pieces = reply.finish();
+                    self.pieces(pieces)
+                }
+            }
+        };
+        // The content held back in case it began a stop sequence.
+        let held = self.stop.finish();
+        if !held.is_empty() {
+            self.content.push_str(&held);
+            deltas.push(("content", held));
+        }
+        (deltas, calls)
     }
 
     fn add_text(&mut self, field: &'static str, text: String, deltas: &mut Vec<(&str, String)>) {
+        let text = match field {
+            "content" => self.stop.push(&text),
+            _ => text,
+        };
+        if text.is_empty() {
+            return;
+        }
         match field {
             "content" => self.content.push_str(&text),
             _ => self.reasoning.push_str(&text),
@@ -763,12 +849,13 @@ impl ChatOutput {
 fn chat_prompt(
     shared: &Shared,
     request: &ChatRequest,
+    stop: StopSequences,
 ) -> std::result::Result<(Vec<u32>, ChatOutput), Response> {
     let invalid = |e: String| error(StatusCode::BAD_REQUEST, e, "invalid_messages");
     match &shared.format {
         ChatFormat::Template(chat) => {
             let (ids, reply) = template_prompt(request, chat, &shared.stops).map_err(invalid)?;
-            Ok((ids, ChatOutput::new(Reader::Tagged(reply))))
+            Ok((ids, ChatOutput::new(Reader::Tagged(reply), stop)))
         }
         ChatFormat::Harmony => {
             if shared.vocab_size < HARMONY_VOCAB_SIZE {
@@ -785,7 +872,7 @@ fn chat_prompt(
             }
             let conversation = conversation(request).map_err(invalid)?;
             let ids = conversation.render_for_completion(&shared.tokenizer);
-            Ok((ids, ChatOutput::harmony(shared.tokenizer)))
+            Ok((ids, ChatOutput::harmony(shared.tokenizer, stop)))
         }
     }
 }
@@ -802,15 +889,28 @@ async fn chat_completions(
         Ok(s) => s,
         Err(e) => return error(StatusCode::BAD_REQUEST, e, "invalid_sampling"),
     };
-    let (ids, mut output) = match chat_prompt(&shared, &request) {
+    if let Err(e) = request.check_served() {
+        return error(StatusCode::BAD_REQUEST, e, "unsupported_parameter");
+    }
+    let stop = match request.sampling.stop_sequences() {
+        Ok(stop) => stop,
+        Err(e) => return error(StatusCode::BAD_REQUEST, e, "invalid_stop"),
+    };
+    let (ids, mut output) = match chat_prompt(&shared, &request, stop) {
         Ok(prompt) => prompt,
         Err(response) => return response,
     };
+    output.one_call = request.parallel_tool_calls == Some(false);
+    let include_usage = request
+        .stream_options
+        .as_ref()
+        .is_some_and(|o| o.include_usage);
     if let Err(response) = shared.check_prompt(&ids) {
         return response;
     }
     let max_tokens = request.sampling.max_tokens();
-    let mut replies = match shared.submit(ids, max_tokens, sampling) {
+    let cancel = Arc::new(AtomicBool::new(false));
+    let mut replies = match shared.submit(ids, max_tokens, sampling, cancel.clone()) {
         Ok(r) => r,
         Err(response) => return response,
     };
@@ -839,6 +939,7 @@ async fn chat_completions(
                 match reply {
                     Reply::Token(token) => {
                         let (deltas, calls) = output.push(token);
+                        cancel.fetch_or(output.over(), Ordering::Relaxed);
                         if deltas.is_empty() && calls.is_empty() {
                             // A comment line (ignored by clients): writing something per token is
                             // how a hung-up client is noticed, so that its generation stops.
@@ -868,8 +969,8 @@ async fn chat_completions(
                     }
                     Reply::Done {
                         prompt_tokens,
+                        reused,
                         finish,
-                        ..
                     } => {
                         let (deltas, calls) = output.finish();
                         for (field, text) in deltas {
@@ -878,18 +979,29 @@ async fn chat_completions(
                         for call in calls {
                             let _ = events.send(chunk(json!({"tool_calls": [call]}))).await;
                         }
-                        let reason = finish_reason(finish, !output.tool_calls.is_empty());
+                        let reason = output.finish_reason(finish);
+                        let usage = json!({"prompt_tokens": prompt_tokens,
+                                           "completion_tokens": output.completion_tokens,
+                                           "total_tokens": prompt_tokens + output.completion_tokens,
+                                           "prompt_tokens_details": {"cached_tokens": reused}});
                         let last = json!({
                             "id": id, "object": "chat.completion.chunk", "created": created,
                             "model": model,
                             "choices": [{"index": 0, "delta": {}, "finish_reason": reason}],
-                            "usage": {"prompt_tokens": prompt_tokens,
-                                      "completion_tokens": output.completion_tokens,
-                                      "total_tokens": prompt_tokens + output.completion_tokens},
+                            "usage": usage,
                         });
                         let _ = events
                             .send(Ok(SseEvent::default().data(last.to_string())))
                             .await;
+                        if include_usage {
+                            let usage_chunk = json!({
+                                "id": id, "object": "chat.completion.chunk", "created": created,
+                                "model": model, "choices": [], "usage": usage,
+                            });
+                            let _ = events
+                                .send(Ok(SseEvent::default().data(usage_chunk.to_string())))
+                                .await;
+                        }
                         let _ = events.send(Ok(SseEvent::default().data("[DONE]"))).await;
                         return;
                     }
@@ -912,6 +1024,7 @@ async fn chat_completions(
         match reply {
             Reply::Token(token) => {
                 output.push(token);
+                cancel.fetch_or(output.over(), Ordering::Relaxed);
             }
             Reply::Done {
                 prompt_tokens,
@@ -933,7 +1046,7 @@ async fn chat_completions(
                 return Json(json!({
                     "id": id, "object": "chat.completion", "created": created, "model": model,
                     "choices": [{"index": 0, "message": message,
-                                 "finish_reason": finish_reason(finish, tool_call)}],
+                                 "finish_reason": output.finish_reason(finish)}],
                     "usage": {"prompt_tokens": prompt_tokens,
                               "completion_tokens": output.completion_tokens,
                               "total_tokens": prompt_tokens + output.completion_tokens,
@@ -949,6 +1062,84 @@ async fn chat_completions(
     worker_stopped()
 }
 
+/// A completion's text as its tokens come: whole characters only (bytes that end inside one wait
+/// for the next token), cut before the first stop sequence.
+struct CompletionText {
+    format: ChatFormat,
+    tokenizer: Tokenizer,
+    /// Harmony ids whose bytes do not end a character yet.
+    pending: Vec<u32>,
+    /// The template tokenizer's decoding so far.
+    stream: TextStream,
+    stop: StopSequences,
+    tokens: usize,
+}
+
+impl CompletionText {
+    fn new(shared: &Shared, stop: StopSequences) -> CompletionText {
+        CompletionText {
+            format: shared.format.clone(),
+            tokenizer: shared.tokenizer,
+            pending: Vec::new(),
+            stream: TextStream::default(),
+            stop,
+            tokens: 0,
+        }
+    }
+
+    /// The text `token` completes (empty while a character or a possible stop sequence is
+    /// unfinished, and after a stop sequence).
+    fn push(&mut self, token: u32) -> String {
+        if self.stop.stopped() {
+            return String::new();
+        }
+        self.tokens += 1;
+        let text = match &self.format {
+            ChatFormat::Harmony => {
+                self.pending.push(token);
+                let bytes = self
+                    .tokenizer
+                    .decode_bytes(&self.pending)
+                    .unwrap_or_default();
+                match String::from_utf8(bytes) {
+                    Ok(text) => {
+                        self.pending.clear();
+                        text
+                    }
+                    Err(_) => String::new(),
+                }
+            }
+            ChatFormat::Template(chat) => self.stream.push(&chat.tokenizer, token),
+        };
+        self.stop.push(&text)
+    }
+
+    /// What is left at the end (incomplete characters replaced).
+    fn finish(&mut self) -> String {
+        if self.stop.stopped() {
+            return String::new();
+        }
+        let text = match &self.format {
+            ChatFormat::Harmony => self
+                .tokenizer
+                .decode_lossy(&self.pending)
+                .unwrap_or_default(),
+            ChatFormat::Template(chat) => self.stream.finish(&chat.tokenizer),
+        };
+        let mut text = self.stop.push(&text);
+        text.push_str(&self.stop.finish());
+        text
+    }
+
+    fn finish_reason(&self, finish: Finish) -> &'static str {
+        if self.stop.stopped() {
+            "stop"
+        } else {
+            finish_reason(finish, false)
+        }
+    }
+}
+
 async fn completions(
     State(shared): State<Arc<Shared>>,
     payload: std::result::Result<Json<CompletionRequest>, JsonRejection>,
@@ -961,6 +1152,10 @@ async fn completions(
         Ok(s) => s,
         Err(e) => return error(StatusCode::BAD_REQUEST, e, "invalid_sampling"),
     };
+    let stop = match request.sampling.stop_sequences() {
+        Ok(stop) => stop,
+        Err(e) => return error(StatusCode::BAD_REQUEST, e, "invalid_stop"),
+    };
     let ids = match &shared.format {
         ChatFormat::Harmony => shared.tokenizer.encode_with_special_tokens(&request.prompt),
         ChatFormat::Template(chat) => match chat.tokenizer.encode(&request.prompt) {
@@ -971,56 +1166,38 @@ async fn completions(
     if let Err(response) = shared.check_prompt(&ids) {
         return response;
     }
-    let mut replies = match shared.submit(ids, request.sampling.max_tokens(), sampling) {
+    let cancel = Arc::new(AtomicBool::new(false));
+    let max_tokens = request.sampling.max_tokens();
+    let mut replies = match shared.submit(ids, max_tokens, sampling, cancel.clone()) {
         Ok(r) => r,
         Err(response) => return response,
     };
     let (id, created, model) = (format!("cmpl-{}", now()), now(), shared.name.clone());
-    let (tokenizer, format) = (shared.tokenizer, shared.format.clone());
+    let mut output = CompletionText::new(&shared, stop);
     if request.stream {
         let (events, stream) =
             mpsc::channel::<std::result::Result<SseEvent, std::convert::Infallible>>(64);
         tokio::spawn(async move {
-            let mut pending: Vec<u32> = Vec::new();
-            let mut stream_text = TextStream::default();
             while let Some(reply) = replies.recv().await {
                 let (text, finish) = match reply {
                     Reply::Token(token) => {
-                        // Whole characters only: wait while the bytes end mid-character (with a
-                        // comment line, so that a hung-up client is still noticed).
-                        let text = match &format {
-                            ChatFormat::Harmony => {
-                                pending.push(token);
-                                let bytes = tokenizer.decode_bytes(&pending).unwrap_or_default();
-                                String::from_utf8(bytes).ok().inspect(|_| pending.clear())
+                        let text = output.push(token);
+                        cancel.fetch_or(output.stop.stopped(), Ordering::Relaxed);
+                        if text.is_empty() {
+                            // A comment line, so that a hung-up client is still noticed.
+                            if events
+                                .send(Ok(SseEvent::default().comment("")))
+                                .await
+                                .is_err()
+                            {
+                                return;
                             }
-                            ChatFormat::Template(chat) => {
-                                let text = stream_text.push(&chat.tokenizer, token);
-                                (!text.is_empty()).then_some(text)
-                            }
-                        };
-                        match text {
-                            Some(text) => (text, None),
-                            None => {
-                                if events
-                                    .send(Ok(SseEvent::default().comment("")))
-                                    .await
-                                    .is_err()
-                                {
-                                    return;
-                                }
-                                continue;
-                            }
+                            continue;
                         }
+                        (text, None)
                     }
                     Reply::Done { finish, .. } => {
-                        let text = match &format {
-                            ChatFormat::Harmony => {
-                                tokenizer.decode_lossy(&pending).unwrap_or_default()
-                            }
-                            ChatFormat::Template(chat) => stream_text.finish(&chat.tokenizer),
-                        };
-                        (text, Some(finish_reason(finish, false)))
+                        (output.finish(), Some(output.finish_reason(finish)))
                     }
                     Reply::Failed(_) => (String::new(), Some("error")),
                 };
@@ -1041,26 +1218,25 @@ async fn completions(
         });
         return Sse::new(tokio_stream::wrappers::ReceiverStream::new(stream)).into_response();
     }
-    let mut tokens = Vec::new();
+    let mut text = String::new();
     while let Some(reply) = replies.recv().await {
         match reply {
-            Reply::Token(token) => tokens.push(token),
+            Reply::Token(token) => {
+                text.push_str(&output.push(token));
+                cancel.fetch_or(output.stop.stopped(), Ordering::Relaxed);
+            }
             Reply::Done {
                 prompt_tokens,
                 finish,
                 ..
             } => {
-                let text = match &format {
-                    ChatFormat::Harmony => tokenizer.decode_lossy(&tokens).unwrap_or_default(),
-                    ChatFormat::Template(chat) => {
-                        chat.tokenizer.decode(&tokens).unwrap_or_default()
-                    }
-                };
+                text.push_str(&output.finish());
+                let tokens = output.tokens;
                 return Json(json!({
                     "id": id, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{"index": 0, "text": text, "finish_reason": finish_reason(finish, false)}],
-                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens.len(),
-                              "total_tokens": prompt_tokens + tokens.len()},
+                    "choices": [{"index": 0, "text": text, "finish_reason": output.finish_reason(finish)}],
+                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": tokens,
+                              "total_tokens": prompt_tokens + tokens},
                 }))
                 .into_response();
             }
@@ -1211,7 +1387,7 @@ mod tests {
 
     fn run(text: &str) -> (ChatOutput, Vec<(&'static str, String)>, Vec<Value>) {
         let tokenizer = Tokenizer::o200k_harmony();
-        let mut output = ChatOutput::harmony(tokenizer);
+        let mut output = ChatOutput::harmony(tokenizer, StopSequences::default());
         let (mut deltas, mut calls) = (Vec::new(), Vec::new());
         for token in tokenizer.encode_with_special_tokens(text) {
             let (d, c) = output.push(token);
@@ -1219,6 +1395,56 @@ mod tests {
             calls.extend(c);
         }
         (output, deltas, calls)
+    }
+
+    /// A Qwen3 reply read through the chat fixture's tokenizer (`output`'s settings applied).
+    fn run_tagged(text: &str, edit: impl FnOnce(&mut ChatOutput)) -> ChatOutput {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures/qwen3-moe/tiny-qwen3-chat");
+        let config = crate::config::Config::load(&dir).unwrap();
+        let ChatFormat::Template(chat) = ChatFormat::for_model(&dir, &config).unwrap() else {
+            panic!("a template model");
+        };
+        let messages = [json!({"role": "user", "content": "x"})];
+        let (_, reply) = chat.prompt(&messages, None, &Map::new(), &[]).unwrap();
+        let mut output = ChatOutput::new(Reader::Tagged(reply), StopSequences::default());
+        edit(&mut output);
+        for token in chat.tokenizer.encode(text).unwrap() {
+            output.push(token);
+        }
+        output.finish();
+        output
+    }
+
+    /// `parallel_tool_calls: false` ends the reply after its first call; by default every call
+    /// is read.
+    #[test]
+    fn one_call_ends_the_reply_when_parallel_calls_are_off() {
+        let calls = "<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n\
+                     <tool_call>\n{\"name\": \"b\", \"arguments\": {}}\n</tool_call>";
+        let text = format!("Sure.\n{calls}");
+        let all = run_tagged(&text, |_| {});
+        assert_eq!(all.tool_calls.len(), 2, "{:?}", all.tool_calls);
+        assert!(!all.over());
+        let one = run_tagged(&text, |output| output.one_call = true);
+        assert_eq!(one.tool_calls.len(), 1);
+        assert_eq!(one.tool_calls[0]["function"]["name"], "a");
+        assert!(one.over());
+        assert_eq!(one.finish_reason(Finish::MaxTokens), "tool_calls");
+        assert_eq!(one.content, all.content);
+    }
+
+    /// A stop sequence cuts the content, not the reasoning, and ends the reply.
+    #[test]
+    fn a_stop_sequence_cuts_the_content_only() {
+        let text = "<think>\nplan: say STOP\n</think>\n\nfirst STOP second";
+        let output = run_tagged(text, |output| {
+            output.stop = StopSequences::parse(Some(&json!(["STOP"]))).unwrap();
+        });
+        assert_eq!(output.reasoning, "plan: say STOP\n");
+        assert_eq!(output.content, "first ");
+        assert!(output.over());
+        assert_eq!(output.finish_reason(Finish::Cancelled), "stop");
     }
 
     /// A full queue answers 503 with Retry-After instead of growing without bound.
@@ -1247,8 +1473,14 @@ mod tests {
             ),
         };
         let options = SamplingOptions::default();
-        assert!(shared.submit(vec![1], 4, options).is_ok());
-        let refused = shared.submit(vec![1], 4, options).unwrap_err();
+        assert!(
+            shared
+                .submit(vec![1], 4, options, Default::default())
+                .is_ok()
+        );
+        let refused = shared
+            .submit(vec![1], 4, options, Default::default())
+            .unwrap_err();
         assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(refused.headers()["retry-after"], "1");
     }

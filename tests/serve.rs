@@ -206,7 +206,32 @@ fn bad_requests_on(backend: &str) {
         ),
         (
             Some(
-                json!({"messages": [{"role": "user", "content": "x"}], "stop": ["\n"]}).to_string(),
+                json!({"messages": [{"role": "user", "content": "x"}],
+                       "stop": ["a", "b", "c", "d", "e"]})
+                .to_string(),
+            ),
+            400,
+            "invalid_stop",
+        ),
+        (
+            Some(json!({"messages": [{"role": "user", "content": "x"}], "stop": [""]}).to_string()),
+            400,
+            "invalid_stop",
+        ),
+        // Not served yet, so refused rather than ignored.
+        (
+            Some(
+                json!({"messages": [{"role": "user", "content": "x"}],
+                       "response_format": {"type": "json_object"}})
+                .to_string(),
+            ),
+            400,
+            "unsupported_parameter",
+        ),
+        (
+            Some(
+                json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true})
+                    .to_string(),
             ),
             400,
             "invalid_sampling",
@@ -253,10 +278,13 @@ fn bad_requests_on(backend: &str) {
     }
     let (status, _) = request(s.port, "GET", "/v1/nothing", None);
     assert_eq!(status, 404);
-    // An empty stop list and n = 1 are what clients often send: accepted.
+    // An empty stop list, n = 1, logprobs false and a text response_format are what clients
+    // often send: accepted.
     let mut plain = chat("Hello", 1);
     plain["stop"] = json!([]);
     plain["n"] = json!(1);
+    plain["logprobs"] = json!(false);
+    plain["response_format"] = json!({"type": "text"});
     assert_eq!(post(s.port, "/v1/chat/completions", &plain).0, 200);
     // The session was never touched: the same request gives the same reply.
     let (status, after) = post(s.port, "/v1/chat/completions", &chat("Hello", 4));
@@ -759,4 +787,109 @@ fn terminal_chat_renders_a_template_model_s_turns() {
         status[0]
     );
     assert!(field(status[1], "reused") >= want, "{}", status[1]);
+}
+
+/// The text of a stream's chunks (`field` of each choice's delta, or `text`), and the last
+/// finish_reason.
+fn streamed(body: &str, field: &str) -> (String, Value) {
+    let mut text = String::new();
+    let mut finish = Value::Null;
+    for data in events(body) {
+        let Ok(chunk) = serde_json::from_str::<Value>(&data) else {
+            continue;
+        };
+        let choice = &chunk["choices"][0];
+        let piece = choice["delta"][field].as_str().or(choice[field].as_str());
+        text.push_str(piece.unwrap_or_default());
+        if !choice["finish_reason"].is_null() {
+            finish = choice["finish_reason"].clone();
+        }
+    }
+    (text, finish)
+}
+
+/// A stop string taken from the middle of `text` (whole characters), where it first occurs.
+fn stop_inside(text: &str) -> (String, usize) {
+    let chars: Vec<(usize, char)> = text.char_indices().collect();
+    assert!(chars.len() >= 8, "too short a reply to cut: {text:?}");
+    let from = chars.len() / 2;
+    let stop: String = chars[from..from + 3].iter().map(|(_, c)| c).collect();
+    let at = text.find(&stop).unwrap();
+    (stop, at)
+}
+
+/// `stop` ends the reply before the first sequence, as a whole request and streamed, on both
+/// endpoints: the text is the unstopped reply's up to it, the finish reason "stop", and the
+/// generation ends there rather than at max_tokens. `stream_options.include_usage` adds a last
+/// chunk with the usage and no choices.
+#[test]
+fn stop_sequences_end_the_reply_before_them() {
+    let (dir, _) = qwen3_chat_fixture();
+    let s = server_on(&dir, &["--backend", "cpu"]);
+    const MAX: usize = 40;
+    let completion = json!({"prompt": "Once upon a time", "max_tokens": MAX, "temperature": 0});
+    let (status, whole) = post(s.port, "/v1/completions", &completion);
+    assert_eq!(status, 200, "{whole}");
+    let text = whole["choices"][0]["text"].as_str().unwrap().to_string();
+    let (stop, at) = stop_inside(&text);
+    let mut stopped = completion.clone();
+    stopped["stop"] = json!([stop]);
+    let (status, reply) = post(s.port, "/v1/completions", &stopped);
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(
+        reply["choices"][0]["text"],
+        json!(text[..at]),
+        "stop {stop:?}"
+    );
+    assert_eq!(reply["choices"][0]["finish_reason"], "stop");
+    assert!(reply["usage"]["completion_tokens"].as_u64().unwrap() < MAX as u64);
+    stopped["stream"] = json!(true);
+    let (status, body) = request(
+        s.port,
+        "POST",
+        "/v1/completions",
+        Some(&stopped.to_string()),
+    );
+    assert_eq!(status, 200);
+    assert_eq!(
+        streamed(&body, "text"),
+        (text[..at].to_string(), json!("stop"))
+    );
+
+    let chat = json!({"messages": [{"role": "user", "content": "Tell me a story"}],
+                      "max_tokens": MAX, "temperature": 0,
+                      "chat_template_kwargs": {"enable_thinking": false}});
+    let (status, whole) = post(s.port, "/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{whole}");
+    let content = whole["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let (stop, at) = stop_inside(&content);
+    let mut stopped = chat.clone();
+    stopped["stop"] = json!(stop);
+    let (status, reply) = post(s.port, "/v1/chat/completions", &stopped);
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(
+        reply["choices"][0]["message"]["content"],
+        json!(content[..at])
+    );
+    assert_eq!(reply["choices"][0]["finish_reason"], "stop");
+    stopped["stream"] = json!(true);
+    stopped["stream_options"] = json!({"include_usage": true});
+    let (status, body) = request(
+        s.port,
+        "POST",
+        "/v1/chat/completions",
+        Some(&stopped.to_string()),
+    );
+    assert_eq!(status, 200);
+    assert_eq!(
+        streamed(&body, "content"),
+        (content[..at].to_string(), json!("stop"))
+    );
+    let data = events(&body);
+    let usage: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+    assert_eq!(usage["choices"], json!([]), "{usage}");
+    assert_eq!(usage["usage"], reply["usage"]);
 }
