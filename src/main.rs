@@ -123,32 +123,32 @@ struct ModelArgs {
 }
 
 impl ModelArgs {
-    /// `load` for chatting on `backend` with the model's chat format: for GPT-OSS, Harmony (the
-    /// checkpoint's tokenizer.json, when it has one, must agree with o200k_harmony's special
-    /// tokens); for other families, the checkpoint's template and tokenizer, which the HTTP
-    /// server and the terminal chat read.
+    /// `load` for chatting on `backend` with the model's chat format: Harmony for GPT-OSS, else
+    /// the checkpoint's template and tokenizer, which the HTTP server and the terminal chat read.
     fn load_for_chat(
         &self,
         backend: Backend,
     ) -> Result<(Model, picchio::chat::format::ChatFormat)> {
-        use picchio::chat::format::ChatFormat;
-        let config = picchio::config::Config::load(&self.model)?;
-        let format = ChatFormat::for_model(&self.model, &config)?;
-        if let ChatFormat::Harmony = format {
-            picchio::chat::tokenizer::Tokenizer::check_checkpoint(&self.model)?
-        }
+        let config = self.checked_config()?;
+        let format = picchio::chat::format::ChatFormat::for_model(&self.model, &config)?;
         Ok((self.load_for(backend.into())?, format))
     }
 
     /// `load` for `serve --stdio`, whose client renders and reads the conversation itself (ids
-    /// in, ids out): no chat template is needed, but a GPT-OSS checkpoint's tokenizer.json must
-    /// still agree with the Harmony stop ids the protocol announces.
+    /// in, ids out): no chat template is needed.
     fn load_for_ids(&self, backend: Backend) -> Result<Model> {
+        self.checked_config()?;
+        self.load_for(backend.into())
+    }
+
+    /// The checkpoint's config, checked for chatting: a GPT-OSS checkpoint's tokenizer.json, when
+    /// it has one, must agree with o200k_harmony's special tokens (Harmony's stop ids).
+    fn checked_config(&self) -> Result<picchio::config::Config> {
         let config = picchio::config::Config::load(&self.model)?;
         if config.family == picchio::arch::Family::GptOss {
             picchio::chat::tokenizer::Tokenizer::check_checkpoint(&self.model)?
         }
-        self.load_for(backend.into())
+        Ok(config)
     }
 
     fn load(&self) -> Result<Model> {

@@ -713,12 +713,19 @@ impl ChatOutput {
 
     /// The reply's `finish_reason`, `finish` being how its generation ended.
     fn finish_reason(&self, finish: Finish) -> &'static str {
-        let finish = if self.over() {
-            Finish::Stop(u32::MAX)
-        } else {
-            finish
-        };
-        finish_reason(finish, !self.tool_calls.is_empty())
+        match finish {
+            _ if !self.tool_calls.is_empty() => "tool_calls",
+            _ if self.over() => "stop",
+            finish => finish_reason(finish, false),
+        }
+    }
+
+    /// The `usage` of the reply to a prompt of `prompt_tokens`, `reused` of them from the cache.
+    fn usage(&self, prompt_tokens: usize, reused: usize) -> Value {
+        json!({"prompt_tokens": prompt_tokens,
+               "completion_tokens": self.completion_tokens,
+               "total_tokens": prompt_tokens + self.completion_tokens,
+               "prompt_tokens_details": {"cached_tokens": reused}})
     }
 
     /// Feeds a token; returns the deltas it makes.
@@ -980,10 +987,7 @@ async fn chat_completions(
                             let _ = events.send(chunk(json!({"tool_calls": [call]}))).await;
                         }
                         let reason = output.finish_reason(finish);
-                        let usage = json!({"prompt_tokens": prompt_tokens,
-                                           "completion_tokens": output.completion_tokens,
-                                           "total_tokens": prompt_tokens + output.completion_tokens,
-                                           "prompt_tokens_details": {"cached_tokens": reused}});
+                        let usage = output.usage(prompt_tokens, reused);
                         let last = json!({
                             "id": id, "object": "chat.completion.chunk", "created": created,
                             "model": model,
@@ -1047,10 +1051,7 @@ async fn chat_completions(
                     "id": id, "object": "chat.completion", "created": created, "model": model,
                     "choices": [{"index": 0, "message": message,
                                  "finish_reason": output.finish_reason(finish)}],
-                    "usage": {"prompt_tokens": prompt_tokens,
-                              "completion_tokens": output.completion_tokens,
-                              "total_tokens": prompt_tokens + output.completion_tokens,
-                              "prompt_tokens_details": {"cached_tokens": reused}},
+                    "usage": output.usage(prompt_tokens, reused),
                 }))
                 .into_response();
             }

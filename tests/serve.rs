@@ -818,6 +818,50 @@ fn stop_inside(text: &str) -> (String, usize) {
     (stop, at)
 }
 
+/// Asks `path` for `body` whole, then with a stop string cut from the middle of its text
+/// (`text_of` a reply, `field` of a streamed chunk; the stop given as `stop_as` writes it),
+/// plainly and streamed with `stream_options.include_usage`: both give the text up to the stop
+/// with finish reason "stop", in fewer tokens than `max_tokens`. Returns the stopped reply and
+/// the stream's body.
+fn stopped_replies(
+    port: u16,
+    path: &str,
+    body: &Value,
+    text_of: fn(&Value) -> &Value,
+    field: &str,
+    stop_as: fn(String) -> Value,
+) -> (Value, String) {
+    let (status, whole) = post(port, path, body);
+    assert_eq!(status, 200, "{whole}");
+    let text = text_of(&whole).as_str().unwrap().to_string();
+    let (stop, at) = stop_inside(&text);
+    let mut stopped = body.clone();
+    stopped["stop"] = stop_as(stop.clone());
+    let (status, reply) = post(port, path, &stopped);
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(text_of(&reply), &json!(text[..at]), "stop {stop:?}");
+    assert_eq!(reply["choices"][0]["finish_reason"], "stop");
+    let max_tokens = body["max_tokens"].as_u64().unwrap();
+    assert!(reply["usage"]["completion_tokens"].as_u64().unwrap() < max_tokens);
+    stopped["stream"] = json!(true);
+    stopped["stream_options"] = json!({"include_usage": true});
+    let (status, stream) = request(port, "POST", path, Some(&stopped.to_string()));
+    assert_eq!(status, 200);
+    assert_eq!(
+        streamed(&stream, field),
+        (text[..at].to_string(), json!("stop"))
+    );
+    (reply, stream)
+}
+
+fn completion_text(reply: &Value) -> &Value {
+    &reply["choices"][0]["text"]
+}
+
+fn chat_content(reply: &Value) -> &Value {
+    &reply["choices"][0]["message"]["content"]
+}
+
 /// `stop` ends the reply before the first sequence, as a whole request and streamed, on both
 /// endpoints: the text is the unstopped reply's up to it, the finish reason "stop", and the
 /// generation ends there rather than at max_tokens. `stream_options.include_usage` adds a last
@@ -828,67 +872,27 @@ fn stop_sequences_end_the_reply_before_them() {
     let s = server_on(&dir, &["--backend", "cpu"]);
     const MAX: usize = 40;
     let completion = json!({"prompt": "Once upon a time", "max_tokens": MAX, "temperature": 0});
-    let (status, whole) = post(s.port, "/v1/completions", &completion);
-    assert_eq!(status, 200, "{whole}");
-    let text = whole["choices"][0]["text"].as_str().unwrap().to_string();
-    let (stop, at) = stop_inside(&text);
-    let mut stopped = completion.clone();
-    stopped["stop"] = json!([stop]);
-    let (status, reply) = post(s.port, "/v1/completions", &stopped);
-    assert_eq!(status, 200, "{reply}");
-    assert_eq!(
-        reply["choices"][0]["text"],
-        json!(text[..at]),
-        "stop {stop:?}"
-    );
-    assert_eq!(reply["choices"][0]["finish_reason"], "stop");
-    assert!(reply["usage"]["completion_tokens"].as_u64().unwrap() < MAX as u64);
-    stopped["stream"] = json!(true);
-    let (status, body) = request(
+    stopped_replies(
         s.port,
-        "POST",
         "/v1/completions",
-        Some(&stopped.to_string()),
-    );
-    assert_eq!(status, 200);
-    assert_eq!(
-        streamed(&body, "text"),
-        (text[..at].to_string(), json!("stop"))
+        &completion,
+        completion_text,
+        "text",
+        |stop| json!([stop]),
     );
 
     let chat = json!({"messages": [{"role": "user", "content": "Tell me a story"}],
                       "max_tokens": MAX, "temperature": 0,
                       "chat_template_kwargs": {"enable_thinking": false}});
-    let (status, whole) = post(s.port, "/v1/chat/completions", &chat);
-    assert_eq!(status, 200, "{whole}");
-    let content = whole["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    let (stop, at) = stop_inside(&content);
-    let mut stopped = chat.clone();
-    stopped["stop"] = json!(stop);
-    let (status, reply) = post(s.port, "/v1/chat/completions", &stopped);
-    assert_eq!(status, 200, "{reply}");
-    assert_eq!(
-        reply["choices"][0]["message"]["content"],
-        json!(content[..at])
-    );
-    assert_eq!(reply["choices"][0]["finish_reason"], "stop");
-    stopped["stream"] = json!(true);
-    stopped["stream_options"] = json!({"include_usage": true});
-    let (status, body) = request(
+    let (reply, stream) = stopped_replies(
         s.port,
-        "POST",
         "/v1/chat/completions",
-        Some(&stopped.to_string()),
+        &chat,
+        chat_content,
+        "content",
+        |stop| json!(stop),
     );
-    assert_eq!(status, 200);
-    assert_eq!(
-        streamed(&body, "content"),
-        (content[..at].to_string(), json!("stop"))
-    );
-    let data = events(&body);
+    let data = events(&stream);
     let usage: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
     assert_eq!(usage["choices"], json!([]), "{usage}");
     assert_eq!(usage["usage"], reply["usage"]);

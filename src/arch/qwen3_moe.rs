@@ -304,6 +304,9 @@ pub fn load_layer(
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use std::path::Path;
+
     #[test]
     fn expert_weights_are_told_from_the_dense_tensors_in_both_layouts() {
         for name in [
@@ -325,9 +328,6 @@ mod tests {
             assert!(!is_expert_weight(&name), "{name}");
         }
     }
-
-    use super::*;
-    use std::path::Path;
 
     fn parse(text: &str) -> Result<Config> {
         Config::from_json(text, Path::new("config.json"))
